@@ -1,0 +1,5 @@
+import sys
+
+from launcher.cli.main import main
+
+sys.exit(main())
