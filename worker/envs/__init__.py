@@ -1,0 +1,171 @@
+"""The environments workers run, and the way every caller gets one: by gymnasium id.
+
+Importing this package registers our own envs with gymnasium (``launcher/Snake-v0``, see
+:mod:`worker.envs.snake`), so after ``import worker.envs`` a plain ``gymnasium.make`` finds them too.
+:func:`make_env` and :func:`describe_env` do that import for you and turn an unknown id into a
+``ValueError`` that suggests the ids you probably meant.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import gymnasium
+import numpy as np
+from gymnasium import spaces
+
+__all__ = ["SNAKE_ID", "EnvInfo", "describe_env", "make_env", "register_envs"]
+
+SNAKE_ID = "launcher/Snake-v0"
+
+
+def register_envs() -> None:
+    """Register our envs with gymnasium. Idempotent: ids already registered are left alone.
+
+    Re-registering would only make gymnasium warn about overriding an id, so we check first.
+    """
+    if SNAKE_ID not in gymnasium.registry:
+        gymnasium.register(id=SNAKE_ID, entry_point="worker.envs.snake:SnakeEnv")
+
+
+register_envs()
+
+
+@dataclass(frozen=True)
+class EnvInfo:
+    """What a policy network needs to know about an env: its observation and action shapes.
+
+    Attributes:
+        env_id: the gymnasium id it describes.
+        obs_shape: shape of one observation.
+        obs_dtype: numpy dtype name of observations (``"float32"``, ``"uint8"``, ...).
+        action_kind: ``"discrete"`` (``Discrete(n)``, actions 0..n-1) or ``"box"`` (a vector of floats).
+        n_actions: number of actions, for ``"discrete"``; None for ``"box"``.
+        action_dim: length of the action vector, for ``"box"``; None for ``"discrete"``.
+        action_low: per-dimension lower bound, for ``"box"``; None for ``"discrete"``.
+        action_high: per-dimension upper bound, for ``"box"``; None for ``"discrete"``.
+    """
+
+    env_id: str
+    obs_shape: tuple[int, ...]
+    obs_dtype: str
+    action_kind: Literal["discrete", "box"]
+    n_actions: int | None = None
+    action_dim: int | None = None
+    action_low: tuple[float, ...] | None = None
+    action_high: tuple[float, ...] | None = None
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.action_kind == "discrete":
+            if self.n_actions is None or self.n_actions < 1:
+                problems.append(f"a discrete action space needs n_actions >= 1, got {self.n_actions}")
+            if self.action_dim is not None or self.action_low is not None or self.action_high is not None:
+                problems.append("a discrete action space has no action_dim, action_low or action_high")
+        elif self.action_kind == "box":
+            if self.n_actions is not None:
+                problems.append(f"a box action space has no n_actions, got {self.n_actions}")
+            if self.action_dim is None or self.action_dim < 1:
+                problems.append(f"a box action space needs action_dim >= 1, got {self.action_dim}")
+            for name, bound in (("action_low", self.action_low), ("action_high", self.action_high)):
+                if bound is None or len(bound) != self.action_dim:
+                    problems.append(f"{name} must have action_dim={self.action_dim} values, got {bound}")
+        else:
+            problems.append(f"action_kind must be 'discrete' or 'box', got {self.action_kind!r}")
+        if problems:
+            raise ValueError(f"invalid EnvInfo for {self.env_id!r}: " + "; ".join(problems))
+
+    @property
+    def image_like(self) -> bool:
+        """Whether observations are rank 3 (height, width, channels): a conv torso fits them."""
+        return len(self.obs_shape) == 3
+
+
+def make_env(
+    env_id: str, seed: int, render_mode: str | None = None, **kwargs: Any
+) -> gymnasium.Env[Any, Any]:
+    """Build the env ``env_id`` with gymnasium (our ids included) and seed it.
+
+    Seeding in gymnasium is only through ``reset(seed=...)``, so this resets the env once with ``seed``
+    (and seeds its action space, for reproducible random policies). Callers then use ``reset()`` without
+    a seed; each later episode continues the seeded stream, so the whole run is reproducible.
+
+    Args:
+        env_id: a registered gymnasium id, e.g. ``"CartPole-v1"`` or ``"launcher/Snake-v0"``.
+        seed: seed for the env's RNG and its action space.
+        render_mode: passed to ``gymnasium.make`` (``"rgb_array"`` for frames); None for no rendering.
+        **kwargs: env constructor arguments, passed to ``gymnasium.make`` (e.g. ``size=8`` for Snake).
+
+    Raises:
+        ValueError: if ``env_id`` is not registered; the message names close ids.
+    """
+    _require_registered(env_id)
+    env = gymnasium.make(env_id, render_mode=render_mode, **kwargs)
+    env.reset(seed=seed)
+    env.action_space.seed(seed)
+    return env
+
+
+def describe_env(env_id: str) -> EnvInfo:
+    """Build ``env_id`` once, read its observation and action spaces, and close it.
+
+    Raises:
+        ValueError: if ``env_id`` is not registered, its observations are not a ``Box``, or its actions
+            are neither ``Discrete`` (starting at 0) nor a rank-1 ``Box``.
+    """
+    _require_registered(env_id)
+    env = gymnasium.make(env_id)
+    try:
+        return describe_spaces(env_id, env.observation_space, env.action_space)
+    finally:
+        env.close()
+
+
+def describe_spaces(
+    env_id: str, observation_space: spaces.Space[Any], action_space: spaces.Space[Any]
+) -> EnvInfo:
+    """:class:`EnvInfo` from an env's spaces, without building the env (see :func:`describe_env`).
+
+    Raises:
+        ValueError: for spaces our policies cannot handle, naming the space.
+    """
+    if not isinstance(observation_space, spaces.Box):
+        raise ValueError(f"env {env_id!r}: observation space {observation_space} is not supported; only Box")
+    obs_shape = tuple(int(d) for d in observation_space.shape)
+    obs_dtype = np.dtype(observation_space.dtype).name
+    if isinstance(action_space, spaces.Discrete):
+        if int(action_space.start) != 0:
+            raise ValueError(
+                f"env {env_id!r}: Discrete action space starts at {action_space.start}; only 0 is supported"
+            )
+        return EnvInfo(env_id, obs_shape, obs_dtype, "discrete", n_actions=int(action_space.n))
+    if isinstance(action_space, spaces.Box) and len(action_space.shape) == 1:
+        return EnvInfo(
+            env_id,
+            obs_shape,
+            obs_dtype,
+            "box",
+            action_dim=int(action_space.shape[0]),
+            action_low=tuple(float(x) for x in action_space.low),
+            action_high=tuple(float(x) for x in action_space.high),
+        )
+    raise ValueError(
+        f"env {env_id!r}: action space {action_space} is not supported; only Discrete or a rank-1 Box"
+    )
+
+
+def _require_registered(env_id: str) -> None:
+    """Raise a ValueError naming ``env_id`` and the closest registered ids if it is not registered."""
+    if env_id in gymnasium.registry:
+        return
+    # Match case-insensitively ("cartpole-v1" should find "CartPole-v1"), then report the real spelling.
+    by_lower = {known.lower(): known for known in gymnasium.registry}
+    close = [by_lower[m] for m in difflib.get_close_matches(env_id.lower(), by_lower, n=3, cutoff=0.6)]
+    hint = (
+        "did you mean " + " or ".join(repr(c) for c in close) + "?"
+        if close
+        else "list the registered ids with gymnasium.pprint_registry()"
+    )
+    raise ValueError(f"unknown env id {env_id!r}: it is not registered with gymnasium; {hint}")
