@@ -1,0 +1,67 @@
+"""``python -m worker master|group --index N``: the entry point of a run's processes and containers.
+
+The run spec comes from ``--spec FILE`` or the ``LAUNCHER_SPEC`` environment variable (JSON); the secret
+from ``LAUNCHER_SECRET`` / ``LAUNCHER_SECRET_FILE``. ``LAUNCHER_MASTER_ADDR`` (host:port) overrides where
+a group dials. Exit codes: 0 finished/stopped, 1 failed, 2 bad spec, 3 master unreachable, 4 refused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+
+def _load_spec(path: str | None):  # -> RunSpec
+    from worker.spec import SPEC_ENV, RunSpec
+
+    if path:
+        with open(path) as fh:
+            return RunSpec.from_json(fh.read())
+    text = os.environ.get(SPEC_ENV)
+    if not text:
+        raise ValueError(f"no run spec: pass --spec FILE or set {SPEC_ENV}")
+    return RunSpec.from_json(text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m worker", description="Run a launcher master or worker group.")
+    parser.add_argument("role", choices=("master", "group"))
+    parser.add_argument("--index", type=int, default=None, help="worker group index (role group)")
+    parser.add_argument("--spec", default=None, help="run spec JSON file (default: $LAUNCHER_SPEC)")
+    parser.add_argument("--log-level", default=os.environ.get("LAUNCHER_LOG_LEVEL", "INFO"))
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format=f"%(asctime)s {args.role}{'' if args.index is None else args.index} %(levelname)s %(message)s")
+    for noisy in ("absl", "tensorflow", "h5py", "matplotlib"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
+    from worker.spec import take_secret
+
+    try:
+        spec = _load_spec(args.spec)
+        secret = take_secret()
+    except (ValueError, OSError, RuntimeError) as exc:
+        logging.getLogger("worker").error("cannot start: %s", exc)
+        return 2
+    if args.role == "master":
+        from worker.master import Master, install_signal_handlers
+
+        master = Master(spec, secret)
+        install_signal_handlers(master)
+        return master.run()
+    if args.index is None:
+        parser.error("group needs --index")
+    from worker.group import WorkerGroup, install_signal_handlers as group_signals
+
+    addr = os.environ.get("LAUNCHER_MASTER_ADDR", f"{spec.connect_host}:{spec.master_port}")
+    host, _, port = addr.rpartition(":")
+    group = WorkerGroup(spec, args.index, secret, (host.strip("[]"), int(port)))
+    group_signals(group)
+    return group.run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

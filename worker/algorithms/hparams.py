@@ -1,0 +1,65 @@
+"""Hyper-parameter defaults, per algorithm, with per-env adjustments, and their validation."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+COMMON: dict[str, Any] = {
+    "gamma": 0.99,
+    "gae_lambda": 0.95,
+    "lr": 1e-3,
+    "ent_coef": 0.0,
+    "vf_coef": 0.5,
+    "max_grad_norm": 0.5,
+    "hidden": (64, 64),
+}
+
+DEFAULTS: dict[str, dict[str, Any]] = {
+    # PPO: each group sends n_steps x its workers per round; the master updates once every connected
+    # group has sent a segment (or max_queue segments are waiting), then broadcasts the new weights.
+    "ppo": {**COMMON, "n_steps": 64, "epochs": 4, "minibatches": 4, "clip": 0.2, "max_queue": 64,
+            "max_staleness": 1, "lr_anneal_steps": 0},
+    # A3C: each group computes a gradient on n_steps x its workers and pushes it; the master applies it
+    # at once and answers with the current weights (asynchronous across groups).
+    "a3c": {**COMMON, "n_steps": 16, "gae_lambda": 1.0, "lr": 1e-3, "ent_coef": 0.01, "max_staleness": 32},
+}
+
+ENV_OVERRIDES: dict[str, dict[str, dict[str, Any]]] = {
+    "launcher/Snake-v0": {
+        "ppo": {"n_steps": 128, "lr": 5e-4, "ent_coef": 0.01, "gamma": 0.97},
+        "a3c": {"n_steps": 32, "lr": 5e-4, "ent_coef": 0.02, "gamma": 0.97},
+    },
+}
+
+
+def resolve(algo: str, env_id: str, overrides: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Defaults for (algo, env) with ``overrides`` applied. Raises ValueError on unknown keys or bad values."""
+    if algo not in DEFAULTS:
+        raise ValueError(f"unknown algorithm {algo!r}; choose one of {', '.join(DEFAULTS)}")
+    hp = dict(DEFAULTS[algo])
+    hp.update(ENV_OVERRIDES.get(env_id, {}).get(algo, {}))
+    for key, value in (overrides or {}).items():
+        if key not in hp:
+            raise ValueError(f"unknown {algo} hyper-parameter {key!r}; known: {', '.join(sorted(hp))}")
+        default = hp[key]
+        if isinstance(default, bool) or default is None:
+            hp[key] = value
+        elif isinstance(default, int) and not isinstance(value, bool):
+            hp[key] = int(value)
+        elif isinstance(default, float):
+            hp[key] = float(value)
+        elif isinstance(default, tuple):
+            hp[key] = tuple(int(v) for v in value)
+        else:
+            hp[key] = value
+    problems = []
+    for key in ("lr", "n_steps", "gamma"):
+        if not hp[key] > 0:
+            problems.append(f"{key} must be > 0, got {hp[key]}")
+    if not 0 < hp["gamma"] <= 1:
+        problems.append(f"gamma must be in (0, 1], got {hp['gamma']}")
+    if algo == "ppo" and not (hp["epochs"] >= 1 and hp["minibatches"] >= 1):
+        problems.append("epochs and minibatches must be >= 1")
+    if problems:
+        raise ValueError("; ".join(problems))
+    return hp

@@ -1,0 +1,24 @@
+"""Action distributions in TensorFlow (categorical for Discrete, diagonal Gaussian for Box)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import tensorflow as tf
+
+
+def log_prob_entropy(model: Any, out: tf.Tensor, actions: tf.Tensor, continuous: bool) -> tuple[tf.Tensor, tf.Tensor]:
+    """Log-probability of ``actions`` under the policy output ``out`` and the mean entropy."""
+    if not continuous:
+        logp_all = tf.nn.log_softmax(out)
+        idx = tf.cast(actions, tf.int32)
+        logp = tf.gather(logp_all, idx, axis=1, batch_dims=1)
+        entropy = -tf.reduce_sum(tf.exp(logp_all) * logp_all, axis=1)
+        return logp, tf.reduce_mean(entropy)
+    log_std = model.log_std
+    std = tf.exp(log_std)
+    z = (tf.cast(actions, tf.float32) - out) / std
+    logp = tf.reduce_sum(-0.5 * tf.square(z) - log_std - 0.5 * math.log(2 * math.pi), axis=1)
+    entropy = tf.reduce_sum(log_std + 0.5 * math.log(2 * math.pi * math.e))
+    return logp, entropy

@@ -1,0 +1,74 @@
+"""Checkpoints of the learner: model, optimiser and run counters, via ``tf.train.CheckpointManager``.
+
+TensorFlow writes a checkpoint's data and index files first and only then replaces the ``checkpoint``
+state file, atomically; a crash mid-write therefore leaves the previous checkpoint as the latest. On
+restore we still try the newest first and fall back to older ones if a file is damaged.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+log = logging.getLogger(__name__)
+
+COUNTERS = ("env_steps", "updates", "episodes", "version")
+
+
+@dataclass
+class Counters:
+    env_steps: int = 0
+    updates: int = 0
+    episodes: int = 0
+    version: int = 0
+
+
+class Checkpointer:
+    """Saves and restores (model, optimiser, counters, recent returns) under ``directory``.
+
+    Args:
+        directory: the run's ``checkpoints/`` directory.
+        window: how many recent episode returns are kept (the ``--until-return`` window).
+        max_to_keep: checkpoints kept on disk.
+    """
+
+    def __init__(self, directory: Path, model: Any, optimizer: Any, *, window: int, max_to_keep: int = 3) -> None:
+        self.directory = directory
+        self._counters = tf.Variable(np.zeros(len(COUNTERS), np.int64), trainable=False, name="counters")
+        self._returns = tf.Variable(np.zeros(window, np.float64), trainable=False, name="recent_returns")
+        self._n_returns = tf.Variable(0, dtype=tf.int64, trainable=False, name="n_recent_returns")
+        parts: dict[str, Any] = {"model": model, "optimizer": optimizer, "counters": self._counters,
+                                 "recent_returns": self._returns, "n_recent_returns": self._n_returns}
+        if getattr(model, "log_std", None) is not None:
+            parts["log_std"] = model.log_std
+        self.checkpoint = tf.train.Checkpoint(**parts)
+        self.manager = tf.train.CheckpointManager(self.checkpoint, str(directory), max_to_keep=max_to_keep)
+
+    def save(self, counters: Counters, recent_returns: list[float]) -> str:
+        self._counters.assign(np.array([getattr(counters, k) for k in COUNTERS], np.int64))
+        window = self._returns.shape[0]
+        recent = np.asarray(recent_returns[-window:], np.float64)
+        buf = np.zeros(window, np.float64)
+        buf[: len(recent)] = recent
+        self._returns.assign(buf)
+        self._n_returns.assign(len(recent))
+        return str(self.manager.save(checkpoint_number=counters.updates))
+
+    def restore_latest(self) -> tuple[Counters, list[float], str] | None:
+        """Restore the newest readable checkpoint; None when there is none."""
+        for path in reversed(self.manager.checkpoints):
+            try:
+                self.checkpoint.restore(path).expect_partial()
+            except (tf.errors.OpError, ValueError, AssertionError) as exc:
+                log.warning("checkpoint %s is unreadable (%s); trying an older one", path, exc)
+                continue
+            values = self._counters.numpy().tolist()
+            counters = Counters(**dict(zip(COUNTERS, (int(v) for v in values))))
+            n = int(self._n_returns.numpy())
+            return counters, self._returns.numpy()[:n].tolist(), path
+        return None

@@ -1,0 +1,211 @@
+"""A worker group: one process running K workers (env instances) with batched policy inference.
+
+Lifecycle (``GroupState``): CONNECTING -> PLAYING -> (disconnected: CONNECTING with backoff) ... ->
+STOPPED (the master said the run is over) | FAILED (auth refused, or the master stayed away past the
+reconnect deadline).
+
+Acting uses :class:`worker.models.NumpyPolicy` over all K envs at once; PPO groups never import
+TensorFlow. A3C groups import it once per group (not per worker) to compute gradients.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import random
+import signal
+import socket
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+from worker.algorithms import hparams as hparams_mod
+from worker.algorithms.rollout import Collector, Segment
+from worker.envs import make_env
+from worker.models import Architecture, NumpyPolicy
+from worker.protocol import Connection, Message, MsgType, PeerClosed, ProtocolError, client_handshake
+from worker.spec import RunSpec
+
+log = logging.getLogger("worker.group")
+
+EXIT_STOPPED = 0
+EXIT_MASTER_GONE = 3
+EXIT_AUTH = 4
+
+
+class GroupState(str, enum.Enum):
+    CONNECTING = "connecting"
+    PLAYING = "playing"
+    STOPPED = "stopped"
+    FAILED = "failed"
+
+
+class MasterGone(Exception):
+    pass
+
+
+class WorkerGroup:
+    """Run group ``index`` of ``spec`` until the master stops the run.
+
+    Args:
+        spec: the run spec.
+        index: which group this process is.
+        secret: the run secret.
+        master_addr: (host, port) to dial.
+        reconnect_deadline_s: give up after the master has been unreachable this long.
+    """
+
+    def __init__(self, spec: RunSpec, index: int, secret: bytes, master_addr: tuple[str, int], *,
+                 reconnect_deadline_s: float = 60.0) -> None:
+        self.spec = spec
+        self.assign = spec.group(index)
+        self.index = index
+        self.secret = secret
+        self.master_addr = master_addr
+        self.reconnect_deadline_s = reconnect_deadline_s
+        self.hp = hparams_mod.resolve(spec.algo, spec.env_id, spec.hparams)
+        k = self.assign.workers
+        self.envs = [make_env(spec.env_id, seed=spec.seed + 1000 * index + w) for w in range(k)]
+        self.arch = Architecture.for_spaces(self.envs[0].observation_space, self.envs[0].action_space, self.hp)
+        self.policy = NumpyPolicy(self.arch)
+        self.collector = Collector(self.envs, self.policy, gamma=float(self.hp["gamma"]),
+                                   lam=float(self.hp["gae_lambda"]), seed=spec.seed + 1000 * index)
+        self.grads: Any = None
+        if spec.algo == "a3c":
+            from worker.gpu_setup import configure_tf_devices
+
+            configure_tf_devices(self.assign.memory_limit_bytes)
+            from worker.algorithms.a3c import A3CGradients
+
+            self.grads = A3CGradients(self.arch, self.hp, spec.seed)
+        self.state = GroupState.CONNECTING
+        self._stop = threading.Event()
+        self.weights: dict[str, np.ndarray] = {}
+        self.connects = 0
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    # ------------------------------------------------------------------------------------------ connect
+    def _connect(self) -> Connection:
+        delay, first_fail = 0.1, None
+        while not self._stop.is_set():
+            try:
+                s = socket.create_connection(self.master_addr, timeout=self.spec.handshake_timeout_s)
+                conn = Connection(s, max_frame_bytes=self.spec.max_frame_bytes, timeout_s=self.spec.heartbeat_timeout_s)
+                client_handshake(conn, self.secret, run_id=self.spec.run_id, group=self.index,
+                                 workers=self.assign.workers, deadline=time.monotonic() + self.spec.handshake_timeout_s)
+                self.connects += 1
+                return conn
+            except ProtocolError as exc:
+                if exc.reason in ("bad_auth", "rejected"):
+                    raise
+                err: Exception = exc
+            except (OSError, TimeoutError, PeerClosed) as exc:
+                err = exc
+            now = time.monotonic()
+            first_fail = first_fail or now
+            if now - first_fail > self.reconnect_deadline_s:
+                raise MasterGone(f"master {self.master_addr[0]}:{self.master_addr[1]} unreachable for "
+                                 f"{self.reconnect_deadline_s:.0f} s (last error: {err})")
+            log.info("group %d: master not reachable (%s); retrying in %.1f s", self.index, err, delay)
+            self._stop.wait(delay * (0.5 + random.random()))
+            delay = min(delay * 2, 5.0)
+        raise MasterGone("stopping")
+
+    def _heartbeats(self, conn: Connection, done: threading.Event) -> None:
+        while not done.wait(self.spec.heartbeat_interval_s):
+            try:
+                conn.send(MsgType.HEARTBEAT, {})
+            except (OSError, TimeoutError):
+                return
+
+    def _await(self, conn: Connection) -> Message:
+        """Wait for WEIGHTS or STOP, skipping heartbeats."""
+        while True:
+            msg = conn.recv()
+            if msg.type in (MsgType.WEIGHTS, MsgType.STOP):
+                return msg
+            if msg.type != MsgType.HEARTBEAT:
+                raise ProtocolError("unexpected_type", f"master sent {msg.type.name}")
+
+    def _take_weights(self, msg: Message) -> None:
+        # Copy out of the frame buffer: the arrays are views into it.
+        self.weights = {k: np.array(v) for k, v in msg.arrays.items()}
+        self.policy.set_weights(self.weights, int(msg.fields["version"]))
+
+    # --------------------------------------------------------------------------------------------- play
+    def run(self) -> int:
+        while not self._stop.is_set():
+            self.state = GroupState.CONNECTING
+            try:
+                conn = self._connect()
+            except ProtocolError as exc:
+                log.error("group %d: the master refused us (%s); check the run secret", self.index, exc.detail)
+                self.state = GroupState.FAILED
+                return EXIT_AUTH
+            except MasterGone as exc:
+                if self._stop.is_set():
+                    break
+                log.error("group %d: %s", self.index, exc)
+                self.state = GroupState.FAILED
+                return EXIT_MASTER_GONE
+            done = threading.Event()
+            threading.Thread(target=self._heartbeats, args=(conn, done), daemon=True).start()
+            try:
+                if self._play(conn):
+                    self.state = GroupState.STOPPED
+                    return EXIT_STOPPED
+            except (OSError, TimeoutError, PeerClosed, ProtocolError) as exc:
+                log.warning("group %d: lost the master (%s); reconnecting", self.index, exc)
+            finally:
+                done.set()
+                if self._stop.is_set():
+                    try:
+                        conn.send(MsgType.BYE, {})
+                    except (OSError, TimeoutError):
+                        pass
+                conn.close()
+        self.state = GroupState.STOPPED
+        return EXIT_STOPPED
+
+    def _play(self, conn: Connection) -> bool:
+        """Play until STOP (returns True) or until stopped locally (False). Network errors propagate."""
+        msg = self._await(conn)
+        if msg.type == MsgType.STOP:
+            return True
+        self._take_weights(msg)
+        self.state = GroupState.PLAYING
+        log.info("group %d playing: %d workers on %s, weights v%d", self.index, self.assign.workers,
+                 self.spec.env_id, self.policy.version)
+        n_steps = int(self.hp["n_steps"])
+        while not self._stop.is_set():
+            seg = self.collector.collect(n_steps)
+            self._send(conn, seg)
+            msg = self._await(conn)
+            if msg.type == MsgType.STOP:
+                log.info("group %d: the master ended the run (%s)", self.index, msg.fields.get("reason"))
+                return True
+            self._take_weights(msg)
+        return False
+
+    def _send(self, conn: Connection, seg: Segment) -> None:
+        stats = {"ep_returns": np.asarray(seg.episode_returns, np.float64),
+                 "ep_lengths": np.asarray(seg.episode_lengths, np.int32)}
+        fields: dict[str, Any] = {"version": seg.version, "env_steps": seg.steps}
+        if self.grads is None:
+            conn.send(MsgType.TRAJ, fields, {**seg.flat(), **stats})
+            return
+        grads, losses = self.grads.compute(self.weights, seg.flat())
+        fields["losses"] = losses
+        conn.send(MsgType.GRADS, fields, {**{f"g/{k}": v for k, v in grads.items()}, **stats})
+
+
+def install_signal_handlers(group: WorkerGroup) -> None:
+    def handler(signum: int, _frame: Any) -> None:
+        group.request_stop()
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
