@@ -1,0 +1,66 @@
+"""``launcher build``: build the worker image, optionally push it. Build lines go to stderr; the tag
+(or the pushed reference) is the only thing printed on stdout, so scripts can capture it."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from launcher.image import BuildOptions, Flavour, build_image, default_tag, find_context, push_image
+
+
+def register(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+    parser = subparsers.add_parser(
+        "build",
+        help="build the worker image (TensorFlow + this project)",
+        description="Build the worker image. --online uses python:3.11-slim-bookworm and the package index; "
+        "--offline needs neither a registry nor PyPI inside the build: it debootstraps a base image "
+        "(root or sudo) and downloads wheels on the host first. See docs/image.md.",
+    )
+    parser.add_argument("--tag", help="image reference to create (default: launcher:VERSION-cpu or -gpu)")
+    flavour = parser.add_mutually_exclusive_group()
+    flavour.add_argument("--cpu", dest="flavour", action="store_const", const=Flavour.CPU,
+                         help="tensorflow-cpu (default)")
+    flavour.add_argument("--gpu", dest="flavour", action="store_const", const=Flavour.GPU,
+                         help="tensorflow[and-cuda]: CUDA and cuDNN as pip wheels; hosts need the NVIDIA "
+                         "driver and container toolkit")
+    parser.add_argument("--base-image", metavar="IMG",
+                        help="FROM image (default: python:3.11-slim-bookworm online, launcher-base:bookworm "
+                        "offline)")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--offline", dest="offline", action="store_true",
+                      help="no registry, no index inside the build (needs debootstrap and root/sudo once)")
+    mode.add_argument("--online", dest="offline", action="store_false", help="pull the base, use PyPI (default)")
+    parser.add_argument("--push", metavar="REGISTRY",
+                        help="after building, tag as REGISTRY/launcher:TAG and push (e.g. registry.local:5000)")
+    parser.add_argument("--no-cache", action="store_true", help="rebuild every layer")
+    parser.add_argument("--context", type=Path, metavar="DIR",
+                        help="directory with the Dockerfile (default: this source tree)")
+    parser.set_defaults(func=run, flavour=Flavour.CPU, offline=False)
+
+
+def options_from_args(args: argparse.Namespace) -> BuildOptions:
+    """The one place `launcher build` arguments become a checked :class:`BuildOptions`."""
+    flavour: Flavour = args.flavour
+    return BuildOptions(
+        tag=args.tag or default_tag(flavour),
+        flavour=flavour,
+        offline=args.offline,
+        base_image=args.base_image,
+        context=args.context if args.context is not None else find_context(),
+        no_cache=args.no_cache,
+    )
+
+
+def _progress(line: str) -> None:
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
+def run(args: argparse.Namespace) -> int:
+    options = options_from_args(args)
+    result = build_image(options, _progress)
+    reference = push_image(result.tag, args.push, _progress) if args.push else result.tag
+    sys.stdout.write(reference + "\n")
+    return 0
