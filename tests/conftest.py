@@ -1,3 +1,4 @@
 """Shared pytest configuration."""
 
 pytest_plugins = ["tests.nvml_fixtures"]
+pytest_plugins += ["tests.docker_fixtures"]  # docker_client, launcher_image, run_container
