@@ -34,7 +34,9 @@ def configure_tf_devices(memory_limit_bytes: int | None, *, tf: Any = None) -> l
     if memory_limit_bytes is not None and memory_limit_bytes < 2**20:
         raise ValueError(f"memory_limit_bytes must be at least 1 MiB, got {memory_limit_bytes}")
     if tf is None:
-        import tensorflow as tf  # noqa: PLC0415  (heavy; only processes that train or act pay for it)
+        import tensorflow  # heavy: only processes that train or act pay for it
+
+        tf = tensorflow
     gpus = tf.config.list_physical_devices("GPU")
     for gpu in gpus:
         # Growth first: TF refuses to change it once a logical (virtual) device is configured, while the

@@ -95,8 +95,11 @@ class WorkerGroup:
             try:
                 s = socket.create_connection(self.master_addr, timeout=self.spec.handshake_timeout_s)
                 conn = Connection(s, max_frame_bytes=self.spec.max_frame_bytes, timeout_s=self.spec.heartbeat_timeout_s)
+                # The kernel accepts into the backlog before the master (still importing TensorFlow) calls
+                # accept(); wait for its challenge as long as we would wait for a heartbeat.
+                wait = max(self.spec.handshake_timeout_s, self.spec.heartbeat_timeout_s)
                 client_handshake(conn, self.secret, run_id=self.spec.run_id, group=self.index,
-                                 workers=self.assign.workers, deadline=time.monotonic() + self.spec.handshake_timeout_s)
+                                 workers=self.assign.workers, deadline=time.monotonic() + wait)
                 self.connects += 1
                 return conn
             except ProtocolError as exc:

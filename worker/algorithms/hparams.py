@@ -21,7 +21,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
             "max_staleness": 1, "lr_anneal_steps": 0},
     # A3C: each group computes a gradient on n_steps x its workers and pushes it; the master applies it
     # at once and answers with the current weights (asynchronous across groups).
-    "a3c": {**COMMON, "n_steps": 16, "gae_lambda": 1.0, "lr": 1e-3, "ent_coef": 0.01, "max_staleness": 32},
+    "a3c": {**COMMON, "n_steps": 32, "gae_lambda": 1.0, "lr": 1e-3, "ent_coef": 0.001, "max_staleness": 32},
 }
 
 ENV_OVERRIDES: dict[str, dict[str, dict[str, Any]]] = {

@@ -1,0 +1,136 @@
+"""``launcher up`` as a library call: prepare a run (config -> GPUs -> plan -> spec -> results dir),
+pick a backend, and supervise it to the end.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any, Callable
+
+from launcher import config as config_mod
+from launcher import placement
+from launcher.backends.base import Backend, PreparedRun
+from launcher.config import RunConfig
+from launcher.errors import BadInput, MissingDependency
+from launcher.runs import RunDir, create_run_dir, find_run, new_run_id, new_secret
+from launcher.supervisor import RunResult, StopSignal, supervise
+from worker.results import atomic_write_json, atomic_write_text, read_json
+from worker.spec import GroupAssignment, RunSpec
+
+log = logging.getLogger(__name__)
+
+
+def choose_backend(name: str) -> tuple[str, str]:
+    """Resolve ``--backend`` to a concrete backend name and say why. ``auto``: Docker if an engine answers."""
+    if name != "auto":
+        return name, f"--backend {name}"
+    try:
+        from launcher.backends import docker as docker_backend
+
+        reason = docker_backend.engine_unavailable_reason()
+    except ImportError:
+        return "process", "auto: the Docker backend is not installed; using local processes"
+    if reason is None:
+        return "docker", "auto: a Docker engine answered; running in containers"
+    return "process", f"auto: no Docker engine ({reason}); using local processes"
+
+
+def make_backend(name: str, cfg: RunConfig) -> Backend:
+    if name == "process":
+        from launcher.backends.process import ProcessBackend
+
+        return ProcessBackend()
+    if name == "docker":
+        from launcher.backends.docker import DockerBackend
+
+        return DockerBackend(image=cfg.image)
+    if name == "swarm":
+        try:
+            from launcher.backends.swarm import SwarmBackend
+        except ImportError:
+            raise MissingDependency("the swarm backend is not available in this version",
+                                    hint="use --backend docker or --backend process") from None
+        return SwarmBackend(image=cfg.image)
+    raise BadInput(f"unknown backend {name!r}", hint="choose auto, process, docker or swarm")
+
+
+def build_spec(cfg: RunConfig, plan: placement.Plan, run_id: str, results_dir: Path) -> RunSpec:
+    groups = tuple(GroupAssignment(index=g.index, workers=g.workers, gpu=g.share.on_gpu,
+                                   memory_limit_bytes=g.share.memory_limit_bytes) for g in plan.groups)
+    return RunSpec(run_id=run_id, env_id=cfg.env_id, algo=cfg.algo, seed=cfg.seed, max_steps=cfg.max_steps,
+                   until_return=cfg.until_return, return_window=cfg.return_window, master_host="127.0.0.1",
+                   master_port=cfg.port, connect_host="127.0.0.1", results_dir=str(results_dir.resolve()),
+                   checkpoint_every=cfg.effective_checkpoint_every, hparams=dict(cfg.hparams), groups=groups)
+
+
+def make_plan(cfg: RunConfig, run_id: str, *, cpu_count: int | None = None) -> tuple[placement.Plan, Any]:
+    """Select and reserve GPUs (if any) and plan. Returns (plan, reservation or None)."""
+    from launcher.gpu_select import plan_and_reserve
+
+    request = placement.PlanRequest(workers=cfg.workers, max_workers_per_group=cfg.max_workers_per_group,
+                                    groups=cfg.groups)
+    return plan_and_reserve(request, choice=cfg.gpus, run_id=run_id, cpu_count=cpu_count or os.cpu_count() or 1,
+                            lock_dir=cfg.lock_dir, min_free_memory=cfg.min_free_memory,
+                            max_utilization_pct=cfg.max_utilization)
+
+
+def prepare(cfg: RunConfig, stack: ExitStack) -> tuple[PreparedRun, str]:
+    """Validate, plan, reserve and write the run's files. Returns (run, backend name)."""
+    config_mod.check(cfg)
+    backend_name, why = choose_backend(cfg.backend)
+    if cfg.resume:
+        run_dir = find_run(cfg.results, cfg.resume)
+        run_id = run_dir.run_id
+    else:
+        run_id = new_run_id(cfg.env_id, cfg.algo)
+        run_dir = None
+    plan, reservation = make_plan(cfg, run_id)
+    if reservation is not None:
+        stack.callback(reservation.release)
+    if run_dir is None:
+        run_dir = create_run_dir(cfg.results, run_id)
+    spec = build_spec(cfg, plan, run_id, run_dir.path)
+    files = run_dir.files
+    atomic_write_json(files.config, {"schema": "launcher.config/v1", **cfg.to_dict(), "backend_chosen": backend_name,
+                                     "backend_reason": why})
+    atomic_write_json(files.plan, {"schema": "launcher.plan/v1", **plan.to_dict()})
+    atomic_write_text(files.spec, spec.to_json() + "\n")
+    (files.logs).mkdir(exist_ok=True)
+    run_dir.update_record(run_id=run_id, env_id=cfg.env_id, algo=cfg.algo, workers=cfg.workers,
+                          backend=backend_name, resumed=bool(cfg.resume), results=str(run_dir.path))
+    return PreparedRun(config=cfg, plan=plan, spec=spec, run_dir=run_dir, secret=new_secret()), why
+
+
+def resume_config(cfg_flags: dict[str, Any], results: Path, run: str) -> RunConfig:
+    """The config of run ``run`` with the flags given now applied on top (e.g. a larger --max-steps)."""
+    run_dir = find_run(results, run)
+    saved = read_json(run_dir.files.config) or {}
+    fields = {f.name for f in dataclasses.fields(RunConfig)}
+    base = {k: v for k, v in saved.items() if k in fields and k not in ("resume", "detach", "json")}
+    cfg, _ = config_mod.resolve_config({**cfg_flags, "resume": run_dir.run_id, "results": str(run_dir.path.parent)},
+                                       file_values=base, environ={})
+    return cfg
+
+
+def up(cfg: RunConfig, *, on_event: Callable[[str, dict[str, Any]], None] | None = None,
+       stop_signal: StopSignal | None = None) -> RunResult:
+    """Run ``cfg`` to the end (attached). Raises LauncherError subclasses for problems before the start."""
+    with ExitStack() as stack:
+        stopper = stop_signal or StopSignal()
+        stopper.install()  # a Ctrl-C during planning still tears down cleanly
+        stack.callback(stopper.restore)
+        run, why = prepare(cfg, stack)
+        if on_event:
+            on_event("event", {"message": why})
+            on_event("event", {"message": "; ".join(run.plan.reasons)})
+            on_event("prepared", {"run_id": run.run_id, "results": str(run.results_dir), "plan": run.plan})
+        backend = make_backend(run.run_dir.read_record().get("backend", "process"), cfg)
+        return supervise(run, backend, on_event=on_event, stop_signal=stopper)
+
+
+def run_dir_of(result: RunResult, cfg: RunConfig) -> RunDir:
+    return find_run(cfg.results, result.run_id)
