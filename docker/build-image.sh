@@ -13,4 +13,6 @@ if ! "$PYTHON" -c 'import launcher, docker' 2>/dev/null; then
     "create the venv first: python3.11 -m venv .venv && .venv/bin/pip install -e ." >&2
   exit 6
 fi
-exec "$PYTHON" -m launcher build --offline "$@"
+# From the root, `python -m launcher` imports this tree's package even if the venv has another installed.
+cd "$ROOT"
+exec "$PYTHON" -m launcher build --offline --context "$ROOT" "$@"
