@@ -344,13 +344,13 @@ def container_holders(client: Any = None) -> tuple[list[ContainerHolder], str | 
         for a missing engine or SDK.
     """
     try:
-        import docker
+        import docker.client
         import docker.errors
     except ImportError:
         return [], "the docker Python SDK is not installed"
     try:
         if client is None:
-            client = docker.from_env(timeout=5)
+            client = docker.client.from_env(timeout=5)
         containers = client.containers.list(filters={"label": LABEL_RUN})
     except (docker.errors.DockerException, OSError) as exc:
         return [], f"Docker engine not reachable ({exc.__class__.__name__}): {str(exc).splitlines()[0][:200]}"

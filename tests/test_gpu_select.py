@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import pytest
 
@@ -138,7 +139,7 @@ def test_pick_explicit() -> None:
 
 # ---- resolve_gpus over the stub ------------------------------------------------------------------------
 
-FAST = {"interval_s": 0.0, "check_containers": False}
+FAST: dict[str, Any] = {"interval_s": 0.0, "check_containers": False}
 
 
 def test_sampling_catches_a_gpu_that_turns_busy(nvml_stub: NvmlStub) -> None:
@@ -203,16 +204,16 @@ def test_plan_and_reserve_takes_disjoint_gpus_and_rechecks(nvml_stub: NvmlStub) 
     cfg["gpus"][0]["gpu_utilization_pct"] = [0, 0, 0, 99]
     nvml_stub.configure(cfg)
     request = PlanRequest(workers=1)  # master on one GPU, the worker on another
-    kw = dict(choice="auto", cpu_count=2, lock_dir=nvml_stub.lock_dir, samples=3, cpu_fallback=False, **FAST)
-    plan_a, res_a = gpu_select.plan_and_reserve(request, run_id="a", **kw)  # type: ignore[arg-type]
+    kw: dict[str, Any] = dict(choice="auto", cpu_count=2, lock_dir=nvml_stub.lock_dir, samples=3, cpu_fallback=False, **FAST)
+    plan_a, res_a = gpu_select.plan_and_reserve(request, run_id="a", **kw)
     assert res_a is not None and plan_a.kind == "gpu"
     assert stub_uuid(0) not in res_a.uuids  # rechecked after locking, released, selected again
     assert set(res_a.uuids) == set(plan_a.gpu_uuids) and len(res_a.uuids) == 2
-    plan_b, res_b = gpu_select.plan_and_reserve(request, run_id="b", **kw)  # type: ignore[arg-type]
+    plan_b, res_b = gpu_select.plan_and_reserve(request, run_id="b", **kw)
     assert res_b is not None and len(res_b.uuids) == 1  # the one GPU left: master and worker share it
     assert not set(res_a.uuids) & set(res_b.uuids)
     with pytest.raises(NoResources, match="no GPU is free") as exc:
-        gpu_select.plan_and_reserve(request, run_id="c", **kw)  # type: ignore[arg-type]
+        gpu_select.plan_and_reserve(request, run_id="c", **kw)
     assert "held by launcher run a" in exc.value.message and "held by launcher run b" in exc.value.message
     res_a.release()
     res_b.release()

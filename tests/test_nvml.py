@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -84,14 +85,14 @@ def test_memory_v2_excludes_reserved(nvml_stub: NvmlStub) -> None:
     assert g.memory_free_bytes == A100_80GB_TOTAL_BYTES - GiB - GiB // 2
 
 
-def test_legacy_driver_library_in_a_subprocess(nvml_stub: NvmlStub, nvml_stub_legacy_dir: object) -> None:
+def test_legacy_driver_library_in_a_subprocess(nvml_stub: NvmlStub, nvml_stub_legacy_dir: Path) -> None:
     """The same fallbacks where the symbols are really absent from the library (dlsym fails)."""
     nvml_stub.configure({"gpus": [gpu(0, used_bytes=GiB, memory_reserved_bytes=GiB, processes=[{"pid": 1, "used_memory_bytes": 7}])]})
     code = (
         "from launcher import nvml; g = nvml.read_inventory().gpus[0]; "
         "print(g.memory_used_bytes, [p.pid for p in g.processes])"
     )
-    out = subprocess.run([sys.executable, "-c", code], env=nvml_stub.env(lib_dir=nvml_stub_legacy_dir),  # type: ignore[arg-type]
+    out = subprocess.run([sys.executable, "-c", code], env=nvml_stub.env(lib_dir=nvml_stub_legacy_dir),
                          capture_output=True, text=True, check=True)
     assert out.stdout.split() == [str(2 * GiB), "[1]"]
 

@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import IO, Any
 
 import pytest
 
@@ -115,10 +116,19 @@ def _racer(lock_dir: Path, run_id: str, count: int) -> subprocess.Popen[str]:
     )
 
 
+def _out(p: subprocess.Popen[str]) -> IO[str]:
+    assert p.stdout is not None
+    return p.stdout
+
+
+def _in(p: subprocess.Popen[str]) -> IO[str]:
+    assert p.stdin is not None
+    return p.stdin
+
+
 def test_two_launchers_reserving_at_the_same_moment_never_overlap(tmp_path: Path) -> None:
     """100 rounds of two processes taking 2 of 4 simulated GPUs at once; both hold until both have answered."""
     started = time.monotonic()
-    pairs = []
     for round_no in range(100):
         a, b = _racer(tmp_path, f"a{round_no}", 2), _racer(tmp_path, f"b{round_no}", 2)
         try:
@@ -128,16 +138,15 @@ def test_two_launchers_reserving_at_the_same_moment_never_overlap(tmp_path: Path
                 assert p.stdin is not None
                 p.stdin.write("go\n")
                 p.stdin.flush()
-            got = [json.loads(p.stdout.readline()) for p in (a, b)]  # type: ignore[union-attr]
+            got = [json.loads(_out(p).readline()) for p in (a, b)]
         finally:
             for p in (a, b):
-                p.stdin.close()  # type: ignore[union-attr]
+                _in(p).close()
             for p in (a, b):
                 p.wait(timeout=30)
         ua, ub = set(got[0]["uuids"]), set(got[1]["uuids"])
         assert len(ua) == 2 and len(ub) == 2, got
         assert not ua & ub, f"round {round_no}: both runs got {ua & ub}"
-        pairs.append((sorted(ua), sorted(ub)))
     assert list_holders(tmp_path) == []
     assert time.monotonic() - started < 60
 
@@ -148,7 +157,7 @@ def test_container_holders_without_an_engine(monkeypatch: pytest.MonkeyPatch) ->
     assert containers == [] and reason is not None and reason.startswith("Docker engine not reachable")
 
 
-def _docker_client():  # type: ignore[no-untyped-def]
+def _docker_client() -> Any:
     docker = pytest.importorskip("docker")
     try:
         client = docker.from_env(timeout=10)
