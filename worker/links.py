@@ -184,10 +184,21 @@ class LinkServer:
             with self._lock:
                 old = self.links.get(link.group)
                 self.links[link.group] = link
+            try:
+                info, first_frames = self.on_join(link)
+            except ValueError as exc:
+                with self._lock:
+                    if self.links.get(link.group) is link:
+                        if old is not None and old.alive:
+                            self.links[link.group] = old
+                        else:
+                            del self.links[link.group]
+                self._reject(conn, "unknown_group", str(exc))
+                link = None
+                return
             if old is not None and old.alive:
                 log.info("group %d reconnected; closing its previous connection", link.group)
                 old.close()
-            info, first_frames = self.on_join(link)
             server_welcome(conn, self.secret, info)
             threading.Thread(target=self._writer, args=(link,), name=f"send-g{link.group}", daemon=True).start()
             for frame in first_frames:
@@ -248,7 +259,7 @@ class LinkServer:
     def _reject(self, conn: Connection, reason: str, detail: str) -> None:
         self.counters.add(f"rejected.{reason}")
         log.warning("refused connection from %s: %s (%s)", conn.peer, reason, detail)
-        if reason in ("bad_auth", "bad_version", "bad_handshake"):
+        if reason in ("bad_auth", "bad_version", "bad_handshake", "unknown_group"):
             try:  # say why without echoing anything the peer sent
                 conn.send(MsgType.REJECT, {"reason": "authentication failed" if reason == "bad_auth" else reason})
             except OSError:

@@ -108,6 +108,7 @@ class Master:
         self.staleness: collections.deque[int] = collections.deque(maxlen=1000)
         self.pending: dict[int, tuple[GroupLink, Message]] = {}  # PPO: group -> waiting segment
         self.last_ckpt: tuple[int, float, str] | None = None
+        self._first_pending_at = 0.0
         self.started = time.time()
         self._weights_cache: tuple[int, list[Any]] | None = None
         self._lock = threading.Lock()
@@ -156,6 +157,8 @@ class Master:
 
     # --------------------------------------------------------------------------------- network callbacks
     def _on_join(self, link: GroupLink) -> tuple[dict[str, Any], list[Any]]:
+        if self.spec.groups and link.group not in {g.index for g in self.spec.groups}:
+            raise ValueError(f"group {link.group} is not part of this run")
         with self._lock:
             st = self.group_stats.setdefault(link.group, GroupStats(link.workers))
             st.connected, st.workers = True, link.workers
@@ -241,6 +244,8 @@ class Master:
                 self._after_update()
             link.post(self.weights_frame())
         else:
+            if not self.pending:
+                self._first_pending_at = time.monotonic()
             self.pending[link.group] = (link, msg)
 
     def _record_experience(self, link: GroupLink, msg: Message) -> None:
@@ -265,7 +270,11 @@ class Master:
             return
         live = {link.group for link in self.server.live_links()}
         waiting = {g for g, (link, _) in self.pending.items() if link.alive}
-        if not (live <= waiting or len(self.pending) >= int(self.hp["max_queue"])):
+        # Normally every connected group has sent its segment; a group that is connected but silent
+        # (stuck, or just restarted and still warming up) must not stall the others for long.
+        waited = time.monotonic() - self._first_pending_at
+        if not (live <= waiting or len(self.pending) >= int(self.hp["max_queue"])
+                or waited >= float(self.hp["update_wait_s"])):
             return
         batch_parts = []
         for g, (link, msg) in list(self.pending.items()):

@@ -294,10 +294,12 @@ def _sendall_parts(sock: socket.socket, parts: Sequence[bytes | memoryview]) -> 
 
 def _peer_name(sock: socket.socket) -> str:
     try:
-        host, port = sock.getpeername()[:2]
-        return f"{host}:{port}"
+        name = sock.getpeername()
     except OSError:
         return "?"
+    if isinstance(name, tuple) and len(name) >= 2:
+        return f"{name[0]}:{name[1]}"
+    return str(name) or "local"
 
 
 # -------------------------------------------------------------------------------------------- handshake

@@ -18,7 +18,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     # PPO: each group sends n_steps x its workers per round; the master updates once every connected
     # group has sent a segment (or max_queue segments are waiting), then broadcasts the new weights.
     "ppo": {**COMMON, "n_steps": 64, "epochs": 4, "minibatches": 4, "clip": 0.2, "max_queue": 64,
-            "max_staleness": 1, "lr_anneal_steps": 0},
+            "max_staleness": 1, "update_wait_s": 5.0},
     # A3C: each group computes a gradient on n_steps x its workers and pushes it; the master applies it
     # at once and answers with the current weights (asynchronous across groups).
     "a3c": {**COMMON, "n_steps": 32, "gae_lambda": 1.0, "lr": 1e-3, "ent_coef": 0.001, "max_staleness": 32},
