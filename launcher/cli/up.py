@@ -1,4 +1,9 @@
-"""``launcher up``: start a run and (attached) watch it to the end."""
+"""``launcher up``: start a run and (attached) watch it to the end.
+
+Options come from :data:`launcher.config.OPTIONS`; each can also be set in ``launcher.toml`` (``[up]``) or a
+``LAUNCHER_*`` variable, which flags override. On exit the launcher's result is printed (``--json``: the
+``launcher.result/v1`` document) and written to the run's ``result.json``.
+"""
 
 from __future__ import annotations
 
@@ -8,48 +13,50 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from launcher.config import parse_hparam, resolve_config
+from launcher import __version__
+from launcher.config import DEFAULTS, OPTIONS, RunConfig, load_config, parse_hparam
 from launcher.errors import BadInput
+from launcher.schemas import RESULT_SCHEMA
+
+_EPILOG = ("Every option can also be set in launcher.toml ([up] table, key = flag name) or as LAUNCHER_<NAME> "
+           "(e.g. LAUNCHER_MAX_STEPS); flags override the environment, which overrides the file. "
+           "`launcher config show` prints the result. Exit codes: docs/operator.md.")
+
+
+def add_up_options(p: argparse.ArgumentParser, *, exclude: tuple[str, ...] = ()) -> None:
+    """The ``up`` options (shared with ``launcher config show``). Every default is None: "not given"."""
+    for opt in OPTIONS:
+        if opt.name in exclude:
+            continue
+        default = getattr(DEFAULTS, opt.field)
+        shown = "none" if default is None else default
+        if opt.kind == "bool":
+            p.add_argument(opt.flag, dest=opt.field, action="store_const", const=True, default=None,
+                           help=f"{opt.help} [env {opt.env_var}]")
+        else:
+            p.add_argument(opt.flag, dest=opt.field, default=None, metavar=opt.metavar,
+                           choices=opt.choices or None,
+                           help=f"{opt.help} [{shown}; env {opt.env_var}]".replace("%", "%%"))
+    p.add_argument("--set", dest="hparams", action="append", default=None, metavar="KEY=VALUE",
+                   help="algorithm hyper-parameter, e.g. --set lr=3e-4 (repeatable; file: [up.hparams])")
+    p.add_argument("--config", default=None, metavar="FILE",
+                   help="TOML config file [./launcher.toml if present; env LAUNCHER_CONFIG]")
 
 
 def register(sub: Any) -> None:
-    p = sub.add_parser("up", help="start a training run", description=__doc__,
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--workers", type=int, default=None, help="number of workers (env instances) [8]")
-    p.add_argument("--env", dest="env_id", default=None, help="gymnasium env id [CartPole-v1]")
-    p.add_argument("--algo", choices=("ppo", "a3c"), default=None, help="algorithm [ppo]")
-    p.add_argument("--backend", choices=("auto", "process", "docker", "swarm"), default=None,
-                   help="where to run [auto: docker if an engine answers, else process]")
-    p.add_argument("--results", default=None, help="results root; each run gets a directory in it [results]")
-    p.add_argument("--max-steps", dest="max_steps", default=None, help="total env steps ('none': no limit) [1000000]")
-    p.add_argument("--until-return", dest="until_return", type=float, default=None,
-                   help="stop when the mean return of the last --return-window episodes reaches this")
-    p.add_argument("--return-window", dest="return_window", type=int, default=None, help="episodes averaged [100]")
-    p.add_argument("--seed", type=int, default=None, help="base seed [0]")
-    p.add_argument("--gpus", default=None, help="auto | none | indices (0,2) | UUIDs [auto]")
-    p.add_argument("--groups", type=int, default=None, help="number of worker groups [computed]")
-    p.add_argument("--max-workers-per-group", dest="max_workers_per_group", type=int, default=None)
-    p.add_argument("--timeout", dest="timeout_s", default=None, help="hard wall-clock limit (90s, 15m, 1h30m)")
-    p.add_argument("--port", type=int, default=None, help="master port on 127.0.0.1 (process backend) [0: any]")
-    p.add_argument("--checkpoint-every", dest="checkpoint_every", type=int, default=None, help="updates between checkpoints")
-    p.add_argument("--restart-budget", dest="restart_budget", type=int, default=None, help="restarts per worker group [3]")
-    p.add_argument("--min-free-memory", dest="min_free_memory", default=None, help="per GPU, e.g. 8GiB [1GiB]")
-    p.add_argument("--max-utilization", dest="max_utilization", type=float, default=None, help="percent [50]")
-    p.add_argument("--image", default=None, help="container image (docker/swarm backends)")
-    p.add_argument("--set", dest="hparams", action="append", default=None, metavar="KEY=VALUE",
-                   help="algorithm hyper-parameter, e.g. --set lr=3e-4 (repeatable)")
-    p.add_argument("--resume", default=None, metavar="RUN", help="continue RUN from its latest checkpoint")
-    p.add_argument("--detach", action="store_const", const=True, default=None, help="return at once (docker)")
-    p.add_argument("--json", action="store_const", const=True, default=None, help="print the result as JSON on stdout")
+    p = sub.add_parser("up", help="start a training run", epilog=_EPILOG,
+                       description="Start a training run and watch it to the end (attached).")
+    add_up_options(p)
+    p.add_argument("--resume", default=None, metavar="RUN",
+                   help="continue RUN (id or path) from its latest checkpoint, with its saved configuration "
+                        "and the flags given now on top")
     p.set_defaults(func=run)
 
 
 def flags_from_args(args: argparse.Namespace) -> dict[str, Any]:
-    names = ("workers", "env_id", "algo", "backend", "results", "max_steps", "until_return", "return_window", "seed",
-             "gpus", "groups", "max_workers_per_group", "timeout_s", "port", "checkpoint_every", "restart_budget",
-             "min_free_memory", "max_utilization", "image", "detach", "json")
-    flags = {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
-    if args.hparams:
+    """The options given on the command line, by RunConfig field (``--set`` pairs as ``hparams``)."""
+    flags = {o.field: getattr(args, o.field) for o in OPTIONS if getattr(args, o.field, None) is not None}
+    if getattr(args, "hparams", None):
         try:
             flags["hparams"] = dict(parse_hparam(h) for h in args.hparams)
         except ValueError as exc:
@@ -57,30 +64,50 @@ def flags_from_args(args: argparse.Namespace) -> dict[str, Any]:
     return flags
 
 
-def run(args: argparse.Namespace) -> int:
-    from launcher.progress import make_reporter
-    from launcher.up import resume_config, up
+def config_from_args(args: argparse.Namespace) -> RunConfig:
+    """The RunConfig of ``launcher up ARGS``: file < environment < flags, or the saved run's with --resume."""
+    from launcher.up import resume_config
 
     flags = flags_from_args(args)
+    cfg, _ = load_config(flags, config_path=args.config)
     if args.resume:
-        cfg = resume_config({k: v for k, v in flags.items()}, Path(flags.get("results", "results")), args.resume)
-    else:
-        cfg, _ = resolve_config(flags)
-    reporter = make_reporter(sys.stderr)
+        # The config file and environment only say where the results root is; the run keeps its own values.
+        return resume_config(flags, cfg.results, args.resume)
+    return cfg
+
+
+def result_document(result: Any, results_dir: Path) -> dict[str, Any]:
+    """The ``launcher.result/v1`` document: how the run ended (``--json`` and ``result.json``)."""
+    return {**result.to_dict(), "schema": RESULT_SCHEMA, "results_dir": str(results_dir.resolve()),
+            "launcher_version": __version__}
+
+
+def run(args: argparse.Namespace) -> int:
+    from launcher.progress import make_reporter
+    from launcher.up import up
+    from worker.results import atomic_write_json
+
+    cfg = config_from_args(args)
+    reporter = make_reporter(sys.stderr, mode=cfg.progress, interval_s=cfg.progress_interval_s)
     try:
         result = up(cfg, on_event=reporter)
+        results_dir = cfg.results / result.run_id
+        doc = result_document(result, results_dir)
+        atomic_write_json(results_dir / "result.json", doc)
+        reporter("result", doc)
     finally:
         reporter.close()
     s = result.summary
     if cfg.json:
-        sys.stdout.write(json.dumps(result.to_dict(), indent=2, default=str) + "\n")
+        sys.stdout.write(json.dumps(doc, indent=2, default=str) + "\n")
     else:
         mean = s.get("mean_return")
         sys.stdout.write(
             f"{result.state.value}: {result.message}\n"
             f"  run         {result.run_id}\n"
-            f"  return      {'-' if mean is None else f'{mean:.2f}'} (mean of last {s.get('episodes_in_window', 0)} episodes)"
-            f"{'' if cfg.until_return is None else f', target {cfg.until_return:g}'}\n"
+            f"  return      {'-' if mean is None else f'{mean:.2f}'} (mean of last {s.get('episodes_in_window', 0)} "
+            f"episodes){'' if cfg.until_return is None else f', target {cfg.until_return:g}'}\n"
             f"  env steps   {s.get('env_steps', 0)} in {result.wall_s:.1f} s, {s.get('updates', 0)} updates\n"
-            f"  results     {cfg.results / result.run_id if not cfg.resume else cfg.results / result.run_id}\n")
+            f"  results     {results_dir}\n"
+            f"  exit code   {int(result.exit_code)} ({result.exit_code.name})\n")
     return int(result.exit_code)

@@ -1,0 +1,37 @@
+"""JSON Schemas (draft 2020-12) of every ``--json`` document and results file the launcher writes.
+
+Each document carries ``"schema": "launcher.<name>/v<N>"``; the matching schema is ``<name>.v<N>.json``
+in this package. A change that removes or retypes a field bumps ``N``; adding a field does not (the
+schemas allow extra properties), so a consumer written against v1 keeps working.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import cache
+from importlib import resources
+from typing import Any
+
+RESULT_SCHEMA = "launcher.result/v1"  # launcher up --json, <run>/result.json
+PLAN_SCHEMA = "launcher.plan/v1"  # launcher plan --json, <run>/plan.json
+GPUS_SCHEMA = "launcher.gpus/v1"  # launcher gpus --json
+STATUS_SCHEMA = "launcher.status/v1"  # <run>/status.json (the master), launcher status --json
+RUNS_SCHEMA = "launcher.runs/v1"  # launcher runs --json
+EVAL_SCHEMA = "launcher.eval/v1"  # launcher eval --json
+CONFIG_SCHEMA = "launcher.config-show/v1"  # launcher config show --json
+
+ALL = (RESULT_SCHEMA, PLAN_SCHEMA, GPUS_SCHEMA, STATUS_SCHEMA, RUNS_SCHEMA, EVAL_SCHEMA, CONFIG_SCHEMA)
+
+
+def file_name(schema_id: str) -> str:
+    """``launcher.plan/v1`` -> ``plan.v1.json``."""
+    name, _, version = schema_id.removeprefix("launcher.").partition("/")
+    return f"{name}.{version}.json"
+
+
+@cache
+def load(schema_id: str) -> dict[str, Any]:
+    """The JSON Schema of ``schema_id`` (e.g. ``launcher.plan/v1``). Raises FileNotFoundError if unknown."""
+    text = resources.files(__name__).joinpath(file_name(schema_id)).read_text(encoding="utf-8")
+    schema: dict[str, Any] = json.loads(text)
+    return schema
