@@ -410,6 +410,7 @@ def plan_and_reserve(
     check_containers: bool = True,
     attempts: int = 3,
     cpu_fallback: bool = True,
+    gpu_filter: Callable[[list[GpuInfo]], tuple[list[GpuInfo], list[str]]] | None = None,
 ) -> tuple[placement.Plan, reservations.Reservation | None]:
     """Select GPUs, plan on them and lock the ones the plan uses: what ``launcher up`` does before starting.
 
@@ -417,8 +418,10 @@ def plan_and_reserve(
     of ``plan.gpu_uuids`` -> one fresh NVML reading of the locked GPUs (a job from outside the launcher may
     have started on one since it was sampled). A GPU another run locked first, or one that turned busy, is
     left out and the whole thing runs again, up to ``attempts`` times. The selection keyword arguments are
-    those of :func:`resolve_gpus`. With ``cpu_fallback`` False, ``auto`` on a machine whose GPUs are all
-    taken or busy raises instead of planning on CPU (a machine without NVML still plans on CPU).
+    those of :func:`resolve_gpus`. ``gpu_filter`` narrows each selection further and says why (the site
+    policy's hook; it may raise for GPUs the user named). With ``cpu_fallback`` False, ``auto`` on a machine
+    whose GPUs are all taken or busy raises instead of planning on CPU (a machine without NVML still plans
+    on CPU).
 
     Returns:
         (plan, reservation): hold the reservation for the life of the run (``with`` or ``.release()``). A
@@ -443,6 +446,9 @@ def plan_and_reserve(
             exclude_uuids=excluded,
             check_containers=check_containers,
         )
+        if gpu_filter is not None:  # e.g. the site policy (launcher.policy): reserved GPUs, a per-user cap
+            gpus, limited = gpu_filter(gpus)
+            reasons = [*reasons, *limited]
         plan = placement.make_plan(request, gpus, cpu_count, reasons=reasons)
         if plan.kind == "cpu":
             if not cpu_fallback and parsed.mode == "auto" and nvml.read_inventory().gpus:
