@@ -68,14 +68,28 @@ def build_spec(cfg: RunConfig, plan: placement.Plan, run_id: str, results_dir: P
 
 
 def make_plan(cfg: RunConfig, run_id: str, *, cpu_count: int | None = None) -> tuple[placement.Plan, Any]:
-    """Select and reserve GPUs (if any) and plan. Returns (plan, reservation or None)."""
-    from launcher.gpu_select import plan_and_reserve
+    """Select and reserve GPUs (if any) and plan, within the site policy (:mod:`launcher.policy`).
+    Returns (plan, reservation or None); ``plan.reasons`` says where the policy limited the run."""
+    from launcher import policy
+    from launcher.gpu_select import parse_gpu_choice, parse_size, plan_and_reserve
 
+    site = policy.load_policy()
+    min_free, notes = policy.floor_min_free_memory(parse_size(cfg.min_free_memory, what="--min-free-memory"), site)
     request = placement.PlanRequest(workers=cfg.workers, max_workers_per_group=cfg.max_workers_per_group,
                                     groups=cfg.groups)
-    return plan_and_reserve(request, choice=cfg.gpus, run_id=run_id, cpu_count=cpu_count or os.cpu_count() or 1,
-                            lock_dir=cfg.lock_dir, min_free_memory=cfg.min_free_memory,
-                            max_utilization_pct=cfg.max_utilization)
+    plan, reservation = plan_and_reserve(
+        request, choice=cfg.gpus, run_id=run_id, cpu_count=cpu_count or os.cpu_count() or 1, lock_dir=cfg.lock_dir,
+        min_free_memory=min_free, max_utilization_pct=cfg.max_utilization,
+        gpu_filter=policy.gpu_filter_for(site, gpus_choice=cfg.gpus, lock_dir=cfg.lock_dir, run_id=run_id))
+    try:
+        limits = policy.check_plan(plan, site)
+    except policy.PolicyViolation:
+        if reservation is not None:
+            reservation.release()
+        raise
+    if parse_gpu_choice(cfg.gpus).mode == "none":
+        notes = []
+    return dataclasses.replace(plan, reasons=(*notes, *plan.reasons, *limits)), reservation
 
 
 def prepare(cfg: RunConfig, stack: ExitStack) -> tuple[PreparedRun, str]:
