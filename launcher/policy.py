@@ -1,0 +1,242 @@
+"""Site policy: limits an administrator sets for every run on a machine, and the pure functions that apply them.
+
+The policy file is TOML at ``$LAUNCHER_POLICY`` or ``/etc/launcher/policy.toml`` (a missing default file
+means "no policy")::
+
+    max_gpus_per_user = 2            # GPUs one user's runs may hold at once (across their runs)
+    min_free_memory = "8GiB"         # floor under --min-free-memory
+    reserved_gpus = [0, "GPU-8f3a"]  # indices or UUIDs no run may touch
+    max_workers_per_gpu = 32         # workers placed on one GPU
+
+``launcher up`` and ``launcher plan`` obey it where the plan is made: :func:`floor_min_free_memory` raises the
+memory threshold, :func:`filter_gpus` drops reserved GPUs and caps the count (selection already ordered
+them least loaded first), :func:`check_plan` refuses a plan with too many workers on a GPU. Each returns
+the sentences that go into ``plan.reasons``, so the user sees when the policy limited them.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import tomllib
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from launcher.errors import BadInput, ConfigErrors
+from launcher.gpu_select import format_size, parse_size
+
+POLICY_ENV = "LAUNCHER_POLICY"
+DEFAULT_POLICY_PATH = Path("/etc/launcher/policy.toml")
+KEYS = ("max_gpus_per_user", "min_free_memory", "reserved_gpus", "max_workers_per_gpu")
+
+
+class PolicyViolation(BadInput):
+    """The request cannot be met within the site policy (exit 2: change the request, not the timing)."""
+
+
+@dataclass(frozen=True)
+class SitePolicy:
+    """The admin's limits; None (or empty) means "no limit"."""
+
+    source: str | None = None  # the file it came from
+    max_gpus_per_user: int | None = None
+    min_free_memory_bytes: int | None = None
+    reserved_gpus: tuple[str, ...] = ()  # NVML indices (as text) or UUIDs
+    max_workers_per_gpu: int | None = None
+
+    @property
+    def empty(self) -> bool:
+        return (self.max_gpus_per_user is None and self.min_free_memory_bytes is None and not self.reserved_gpus
+                and self.max_workers_per_gpu is None)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["reserved_gpus"] = list(self.reserved_gpus)
+        return d
+
+    @property
+    def label(self) -> str:
+        return f"site policy {self.source}" if self.source else "site policy"
+
+
+def policy_path(environ: Mapping[str, str] | None = None) -> tuple[Path, bool]:
+    """(path, whether it was named explicitly through ``$LAUNCHER_POLICY``)."""
+    env = os.environ if environ is None else environ
+    if env.get(POLICY_ENV):
+        return Path(env[POLICY_ENV]).expanduser(), True
+    return DEFAULT_POLICY_PATH, False
+
+
+def load_policy(path: Path | None = None, *, environ: Mapping[str, str] | None = None) -> SitePolicy:
+    """Read the site policy. The default path may be absent (no policy); a named file must exist.
+
+    Raises:
+        ConfigErrors: unreadable file, bad TOML, unknown keys or wrong values, each naming file, key and value.
+    """
+    named = path is not None
+    if path is None:
+        path, named = policy_path(environ)
+    if not path.exists():
+        if named:
+            raise ConfigErrors([f"{path}: policy file not found"],
+                               hint=f"fix ${POLICY_ENV}, or unset it to use {DEFAULT_POLICY_PATH} when present")
+        return SitePolicy()
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigErrors([f"{path}: cannot read the policy file: {exc}"],
+                           hint="ask the administrator to fix it") from None
+    return parse_policy(data, source=str(path))
+
+
+def parse_policy(data: Mapping[str, Any], *, source: str | None = None) -> SitePolicy:
+    """A :class:`SitePolicy` from parsed TOML (keys with ``-`` or ``_``). Raises ConfigErrors with every problem."""
+    where = source or "policy"
+    problems: list[str] = []
+    values: dict[str, Any] = {}
+    for raw_key, value in data.items():
+        key = raw_key.replace("-", "_")
+        shown = f"{where}: {raw_key} = {value!r}"
+        if key not in KEYS:
+            close = difflib.get_close_matches(key, KEYS, n=1)
+            problems.append(f"{where}: unknown key {raw_key!r}" + (f" (did you mean {close[0]!r}?)" if close
+                                                                   else f"; known keys: {', '.join(KEYS)}"))
+        elif key in ("max_gpus_per_user", "max_workers_per_gpu"):
+            if isinstance(value, bool) or not isinstance(value, int) or value < (0 if key == "max_gpus_per_user" else 1):
+                problems.append(f"{shown}: expected a whole number >= {0 if key == 'max_gpus_per_user' else 1}")
+            else:
+                values[key] = value
+        elif key == "min_free_memory":
+            try:
+                values["min_free_memory_bytes"] = parse_size(value, what=raw_key)
+            except BadInput:
+                problems.append(f"{shown}: expected a memory size such as \"8GiB\"")
+        elif key == "reserved_gpus":
+            items = value if isinstance(value, list) else None
+            bad = [v for v in items or [] if isinstance(v, bool) or not isinstance(v, (int, str))
+                   or (isinstance(v, int) and v < 0) or (isinstance(v, str) and not v.strip())]
+            if items is None or bad:
+                problems.append(f"{shown}: expected a list of GPU indices or UUIDs, e.g. [0, \"GPU-8f3a...\"]")
+            else:
+                values["reserved_gpus"] = tuple(str(v).strip() for v in items)
+    if problems:
+        raise ConfigErrors(problems, hint="the site policy is set by the administrator; ask them to fix it")
+    return SitePolicy(source=source, **values)
+
+
+# ------------------------------------------------------------------------------------- pure application
+def floor_min_free_memory(requested_bytes: int, policy: SitePolicy) -> tuple[int, list[str]]:
+    """Raise the requested free-memory threshold to the policy's floor. Returns (bytes, reasons)."""
+    floor = policy.min_free_memory_bytes
+    if floor is None or requested_bytes >= floor:
+        return requested_bytes, []
+    return floor, [f"{policy.label} raises --min-free-memory from {format_size(requested_bytes)} to "
+                   f"{format_size(floor)}"]
+
+
+def is_reserved(gpu: Any, policy: SitePolicy) -> bool:
+    wanted = {r.lower() for r in policy.reserved_gpus}
+    return str(gpu.index) in wanted or gpu.uuid.lower() in wanted
+
+
+def filter_gpus(gpus: Sequence[Any], policy: SitePolicy, *, explicit: bool, held_by_user: int = 0,
+                user: str | None = None) -> tuple[list[Any], list[str]]:
+    """Apply the GPU limits to selected GPUs (least loaded first). Returns (GPUs kept, reasons).
+
+    Args:
+        gpus: what selection returned (``--gpus auto``: the free ones; explicit: the ones named, in order).
+        explicit: the user named these GPUs; then a GPU the policy forbids is an error, not a silent drop.
+        held_by_user: GPUs this user's other runs hold now (their lock files).
+        user: for the messages.
+
+    Raises:
+        PolicyViolation: explicit GPUs that are reserved, below the memory floor, or more than allowed.
+    """
+    kept: list[Any] = []
+    reasons: list[str] = []
+    for g in gpus:
+        if is_reserved(g, policy):
+            if explicit:
+                raise PolicyViolation(f"--gpus names GPU {g.index} ({g.uuid}), which {policy.label} reserves",
+                                      hint="choose other GPUs (`launcher gpus`), or --gpus auto")
+            reasons.append(f"GPU {g.index} ({g.uuid}) not used: reserved by {policy.label}")
+            continue
+        floor = policy.min_free_memory_bytes
+        if floor is not None and g.memory_free_bytes < floor:
+            if explicit:
+                raise PolicyViolation(f"--gpus names GPU {g.index}, which has {format_size(g.memory_free_bytes)} "
+                                      f"free; {policy.label} requires {format_size(floor)}",
+                                      hint="choose a GPU with more free memory (`launcher gpus`)")
+            reasons.append(f"GPU {g.index} ({g.uuid}) not used: {format_size(g.memory_free_bytes)} free < "
+                           f"{policy.label} min_free_memory {format_size(floor)}")
+            continue
+        kept.append(g)
+    cap = policy.max_gpus_per_user
+    if cap is not None:
+        allowed = max(0, cap - held_by_user)
+        who = f"user {user}" if user else "a user"
+        held = f" ({held_by_user} held by your other runs)" if held_by_user else ""
+        if len(kept) > allowed:
+            if explicit:
+                raise PolicyViolation(f"--gpus names {len(kept)} GPU(s) but {policy.label} allows {who} "
+                                      f"{cap} at once{held}",
+                                      hint=f"name at most {allowed} GPU(s), or wait for your other runs to end")
+            dropped = kept[allowed:]
+            kept = kept[:allowed]
+            reasons.append(f"{policy.label} allows {who} {cap} GPU(s) at once{held}: using {len(kept)}, "
+                           f"not GPU(s) {', '.join(str(g.index) for g in dropped)}")
+    return kept, reasons
+
+
+def check_plan(plan: Any, policy: SitePolicy) -> list[str]:
+    """Refuse a plan that puts more than ``max_workers_per_gpu`` workers on one GPU. Returns reasons.
+
+    Raises:
+        PolicyViolation: naming the GPU, the count and how many workers would fit within the policy.
+    """
+    limit = policy.max_workers_per_gpu
+    if limit is None or plan.kind != "gpu":
+        return []
+    per_gpu: dict[int, int] = {}
+    for g in plan.groups:
+        for index in g.share.gpu_indices:
+            per_gpu[index] = per_gpu.get(index, 0) + g.workers
+    over = {i: n for i, n in per_gpu.items() if n > limit}
+    if over:
+        worst = max(over, key=lambda i: over[i])
+        fits = limit * len(per_gpu)
+        raise PolicyViolation(
+            f"the plan puts {over[worst]} workers on GPU {worst}; {policy.label} allows {limit} per GPU "
+            f"(at most {fits} workers on the {len(per_gpu)} GPU(s) this plan uses)",
+            hint=f"use --workers {fits} or fewer, or more GPUs if the policy allows")
+    return [f"{policy.label}: at most {limit} workers per GPU (this plan: "
+            + ", ".join(f"GPU {i}: {n}" for i, n in sorted(per_gpu.items())) + ")"]
+
+
+# ------------------------------------------------------------------------------- the hook where plans are made
+def held_by_user(user: str, lock_dir: str | Path | None, *, exclude_run: str | None = None) -> int:
+    """GPUs that ``user``'s launcher runs (other than ``exclude_run``) hold now, from the lock files."""
+    from launcher import reservations
+
+    return len({h.uuid for h in reservations.list_holders(lock_dir)
+                if h.user == user and (exclude_run is None or h.run_id != exclude_run)})
+
+
+def gpu_filter_for(policy: SitePolicy, *, gpus_choice: str, lock_dir: str | Path | None = None,
+                   run_id: str | None = None) -> Any:
+    """The ``gpu_filter`` that :func:`launcher.gpu_select.plan_and_reserve` applies after each selection
+    (None when the policy limits nothing about GPUs). Counts the user's held GPUs at each call."""
+    if policy.max_gpus_per_user is None and not policy.reserved_gpus and policy.min_free_memory_bytes is None:
+        return None
+    from launcher import nvml
+    from launcher.gpu_select import parse_gpu_choice
+
+    explicit = parse_gpu_choice(gpus_choice).mode == "explicit"
+
+    def apply(gpus: list[Any]) -> tuple[list[Any], list[str]]:
+        user = nvml.current_user()
+        held = held_by_user(user, lock_dir, exclude_run=run_id) if policy.max_gpus_per_user is not None else 0
+        return filter_gpus(gpus, policy, explicit=explicit, held_by_user=held, user=user)
+
+    return apply
