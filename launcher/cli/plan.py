@@ -10,10 +10,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any, Sequence
 
-from launcher import gpu_select
+from launcher import gpu_select, policy
 from launcher.errors import BadInput
 from launcher.gpu_select import format_size
 from launcher.nvml import GpuInfo
@@ -173,10 +173,21 @@ def run(args: argparse.Namespace) -> int:
     if problems:  # every flag problem at once, before reading any GPU
         raise BadInput("; ".join(problems), hint="see `launcher plan --help`")
     request = plan_request_from_args(args)
-    gpus, reasons = gpu_select.resolve_gpus(args.gpus, **selection_kwargs(args))
-    plan = make_plan(request, gpus, cpu_count(), reasons=reasons)
+    # The site policy (launcher.policy) applies here exactly as in `up`: memory floor, GPUs, workers per GPU.
+    site = policy.load_policy()
+    kwargs = selection_kwargs(args)
+    kwargs["min_free_memory"], notes = policy.floor_min_free_memory(kwargs["min_free_memory"], site)
+    gpus, reasons = gpu_select.resolve_gpus(args.gpus, **kwargs)
+    gpu_filter = policy.gpu_filter_for(site, gpus_choice=args.gpus, lock_dir=args.lock_dir)
+    if gpu_filter is not None:
+        gpus, limited = gpu_filter(gpus)
+        reasons = [*reasons, *limited]
+    plan = make_plan(request, gpus, cpu_count(), reasons=[*(notes if args.gpus != "none" else []), *reasons])
+    plan = replace(plan, reasons=(*plan.reasons, *policy.check_plan(plan, site)))
     if args.json:
-        print(json.dumps(plan_document(plan, request, gpus), indent=2))
+        doc = plan_document(plan, request, gpus)
+        doc["policy"] = None if site.empty else site.to_dict()
+        print(json.dumps(doc, indent=2))
     else:
         print(format_plan(plan))
     return 0
