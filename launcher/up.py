@@ -15,9 +15,9 @@ from launcher import config as config_mod
 from launcher import placement
 from launcher.backends.base import Backend, PreparedRun
 from launcher.config import RunConfig
-from launcher.errors import BadInput, MissingDependency
+from launcher.errors import BadInput, ExitCode, MissingDependency
 from launcher.runs import RunDir, create_run_dir, find_run, new_run_id, new_secret
-from launcher.supervisor import RunResult, StopSignal, supervise
+from launcher.supervisor import RunResult, RunState, StopSignal, supervise
 from worker.results import atomic_write_json, atomic_write_text, read_json
 from worker.spec import GroupAssignment, RunSpec
 
@@ -39,7 +39,8 @@ def choose_backend(name: str) -> tuple[str, str]:
     return "process", f"auto: no Docker engine ({reason}); using local processes"
 
 
-def make_backend(name: str, cfg: RunConfig) -> Backend:
+def make_backend(name: str, cfg: RunConfig, *, progress: Callable[[str], None] | None = None) -> Backend:
+    """The backend called ``name``; ``progress`` receives its lines (e.g. an image build before the start)."""
     if name == "process":
         from launcher.backends.process import ProcessBackend
 
@@ -47,7 +48,7 @@ def make_backend(name: str, cfg: RunConfig) -> Backend:
     if name == "docker":
         from launcher.backends.docker import DockerBackend
 
-        return DockerBackend(image=cfg.image)
+        return DockerBackend(image=cfg.image, progress=progress)
     if name == "swarm":
         try:
             from launcher.backends.swarm import SwarmBackend
@@ -96,6 +97,9 @@ def prepare(cfg: RunConfig, stack: ExitStack) -> tuple[PreparedRun, str]:
     """Validate, plan, reserve and write the run's files. Returns (run, backend name)."""
     config_mod.check(cfg)
     backend_name, why = choose_backend(cfg.backend)
+    if cfg.detach and backend_name == "process":
+        raise BadInput(f"--detach needs the docker backend ({why}): local processes die with the launcher",
+                       hint="add --backend docker (an engine must answer), or leave out --detach")
     if cfg.resume:
         run_dir = find_run(cfg.results, cfg.resume)
         run_id = run_dir.run_id
@@ -142,8 +146,33 @@ def up(cfg: RunConfig, *, on_event: Callable[[str, dict[str, Any]], None] | None
             on_event("event", {"message": why})
             on_event("event", {"message": "; ".join(run.plan.reasons)})
             on_event("prepared", {"run_id": run.run_id, "results": str(run.results_dir), "plan": run.plan})
-        backend = make_backend(run.run_dir.read_record().get("backend", "process"), cfg)
+        progress = (lambda line: on_event("event", {"message": line})) if on_event else None
+        backend = make_backend(run.run_dir.read_record().get("backend", "process"), cfg, progress=progress)
+        if cfg.detach:
+            return start_detached(run, backend)
         return supervise(run, backend, on_event=on_event, stop_signal=stopper)
+
+
+def start_detached(run: PreparedRun, backend: Backend) -> RunResult:
+    """Start ``run`` and return at once, leaving it running with no supervisor (``up --detach``).
+
+    Only a backend whose parts outlive the launcher can do this (Docker: containers found again by label;
+    ``launcher status``/``logs``/``down`` manage them). A failed start removes what it had created.
+    """
+    if backend.name == "process":
+        raise BadInput("--detach needs the docker backend: local processes die with the launcher",
+                       hint="add --backend docker, or leave out --detach")
+    run.run_dir.update_record(state=RunState.STARTING.value, detached=True, **backend.describe())
+    try:
+        backend.start(run)
+    except BaseException:
+        backend.stop(grace_s=2.0)
+        run.run_dir.update_record(state=RunState.FAILED.value)
+        raise
+    run.run_dir.update_record(state=RunState.RUNNING.value, **backend.describe())
+    return RunResult(run.run_id, RunState.RUNNING, ExitCode.OK,
+                     f"started detached; `launcher status {run.run_id}` shows it, `launcher logs {run.run_id} "
+                     f"--follow` follows the master, `launcher down {run.run_id}` stops it")
 
 
 def run_dir_of(result: RunResult, cfg: RunConfig) -> RunDir:
