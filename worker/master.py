@@ -336,6 +336,8 @@ class Master:
     def _report(self) -> None:
         mean = self.mean_return()
         if mean is not None and len(self.recent) >= min(self.spec.return_window, 10):
+            if self.best_mean is None or mean > self.best_mean:
+                self._save_best(mean)
             self.best_mean = mean if self.best_mean is None else max(self.best_mean, mean)
         st = self.status()
         atomic_write_json(self.files.status, st)
@@ -463,6 +465,21 @@ class Master:
         log.info("run %s %s: mean return %s over %d episodes, %d env steps, %d updates", self.spec.run_id,
                  self.outcome, None if mean is None else round(mean, 2), len(self.recent), self.c.env_steps, self.c.updates)
         return 1 if failed else 0
+
+    def _save_best(self, mean: float) -> None:
+        """Keep the weights of the best mean return so far as model/best_policy.npz (``launcher eval
+        --checkpoint best``); best.json says when. The mean covers the last window of episodes, so these are
+        the weights at the end of the best window, not a per-episode optimum."""
+        if not hasattr(self, "learner"):
+            return
+        d = self.files.model_dir
+        d.mkdir(parents=True, exist_ok=True)
+        tmp = d / ".best_policy.tmp.npz"
+        np.savez(tmp, **get_named_weights(self.learner.model))
+        os.replace(tmp, d / "best_policy.npz")
+        atomic_write_json(d / "best.json", {"mean_return": mean, "episodes_in_window": len(self.recent),
+                                            "env_steps": self.c.env_steps, "updates": self.c.updates,
+                                            "version": self.c.version, "t": time.time()})
 
     def _export(self) -> None:
         import json
