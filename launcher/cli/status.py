@@ -1,0 +1,65 @@
+"""``launcher status [RUN]``: what each run is doing: its containers or processes, throughput and return.
+
+Reads the results directory (``run.json``, the master's ``status.json``) and, for Docker runs, the engine
+(containers found by their ``launcher.run`` label). Similar to ``docker ps --filter label=launcher.run``
+plus the master's own view. Results on stdout (``--json``: one document); nothing is changed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from launcher.lifecycle import RunView, view_runs
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("status", help="show runs, their containers/processes and progress", description=__doc__)
+    p.add_argument("run", nargs="?", default=None, metavar="RUN", help="a run id or directory (default: every run)")
+    p.add_argument("--results", default=None, help="results root [$LAUNCHER_RESULTS or results]")
+    p.add_argument("--json", action="store_true", help="print a JSON document on stdout")
+    p.set_defaults(func=run)
+
+
+def results_root(args: argparse.Namespace) -> Path:
+    return Path(args.results or os.environ.get("LAUNCHER_RESULTS") or "results").expanduser()
+
+
+def _num(x: Any, nd: int = 1) -> str:
+    if x is None:
+        return "-"
+    return f"{x:.{nd}f}" if isinstance(x, float) else str(x)
+
+
+def format_view(v: RunView) -> str:
+    d = v.to_dict()
+    lines = [f"{v.run_id}  {v.backend}  {v.state}" + (f"  ({v.note})" if v.note else ""),
+             f"  results     {d['results'] or '-'}",
+             f"  progress    {_num(d['env_steps'])} env steps, {_num(d['env_steps_per_s'], 0)} env steps/s, "
+             f"{_num(d['updates'])} updates, return {_num(d['mean_return'], 2)}"
+             + (f", outcome {d['outcome']}" if d["outcome"] else ""),
+             f"  workers     {d['workers_connected']} connected in {d['groups_connected']}/{d['groups']} groups"]
+    for p in v.parts:
+        extra = "".join([f" exit {p.exit_code}" if p.exit_code is not None else "",
+                         f" health {p.health}" if p.health else "",
+                         f" restarts {p.restarts}" if p.restarts else ""])
+        lines.append(f"    {p.name:<10} {p.state:<11} {p.ident}{extra}")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    views = view_runs(results_root(args), run=args.run)
+    if args.json:
+        doc: Any = views[0].to_dict() if args.run else {"schema": "launcher.status/v1",
+                                                         "runs": [v.to_dict() for v in views]}
+        sys.stdout.write(json.dumps(doc, indent=2, default=str) + "\n")
+        return 0
+    if not views:
+        sys.stderr.write(f"no runs under {results_root(args)} and no launcher containers on the engine\n")
+        return 0
+    sys.stdout.write("\n".join(format_view(v) for v in views) + "\n")
+    return 0
