@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -29,7 +28,7 @@ def register(sub: Any) -> None:
     p.add_argument("--gif-max-frames", type=int, default=DEFAULT_GIF_MAX_FRAMES, metavar="N",
                    help=f"thin longer episodes to N frames [{DEFAULT_GIF_MAX_FRAMES}]")
     p.add_argument("--seed", type=int, default=DEFAULT_SEED, metavar="N", help="episode i uses seed N+i")
-    p.add_argument("--results", default=None, metavar="DIR", help="results root [$LAUNCHER_RESULTS or results]")
+    p.add_argument("--results", default=None, metavar="DIR", help="results root [as `launcher up`: launcher.toml, $LAUNCHER_RESULTS, or results]")
     p.add_argument("--json", action="store_true", help=f"print JSON ({EVAL_SCHEMA}) instead of text")
     p.set_defaults(func=run)
 
@@ -42,8 +41,9 @@ def run(args: argparse.Namespace) -> int:
         raise BadInput(f"--episodes must be >= 1, got {args.episodes}")
     if args.gif_max_frames < 2:
         raise BadInput(f"--gif-max-frames must be >= 2, got {args.gif_max_frames}")
-    root = Path(args.results or os.environ.get("LAUNCHER_RESULTS") or "results").expanduser()
-    doc = evaluate(find_run(root, args.run), episodes=args.episodes, checkpoint=args.checkpoint, seed=args.seed,
+    from launcher.cli.runs import results_root
+
+    doc = evaluate(find_run(results_root(args.results), args.run), episodes=args.episodes, checkpoint=args.checkpoint, seed=args.seed,
                    gif=args.gif, gif_max_frames=args.gif_max_frames)
     sys.stdout.write((json.dumps(doc, indent=2) if args.json else format_report(doc)) + "\n")
     return 0
