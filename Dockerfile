@@ -9,20 +9,25 @@
 #     --build-arg BASE_IMAGE=launcher-base:bookworm --build-arg OFFLINE=1 .
 # docs/image.md explains the choices, sizes and times.
 #
-# Stages keep TensorFlow out of the way of code changes: `requirements` reduces pyproject.toml to the
-# dependency list, `deps` installs it (the slow layer; cached while that list and the wheels are
-# unchanged), `project` installs launcher + worker with --no-deps into a separate prefix, and the final
-# stage copies both; neither the wheels nor pip's cache reach the final image.
+# Stages keep TensorFlow out of the way of code changes: `sources` gathers the project and reduces
+# pyproject.toml to the dependency list, `deps` installs that list (the slow layer; cached while the list
+# and the wheels are unchanged), `project` installs launcher + worker with --no-deps into a separate
+# prefix, and the final stage copies both; neither the wheels nor pip's cache reach the final image.
+# Each instruction costs the legacy builder (the Docker SDK's) a container commit, several seconds on
+# top of the 1.6 GB venv on fuse-overlayfs, so the small steps happen on the small base image.
 
 ARG BASE_IMAGE=python:3.11-slim-bookworm
 
-FROM ${BASE_IMAGE} AS requirements
+FROM ${BASE_IMAGE} AS sources
 # tensorflow-cpu for CPU hosts; tensorflow[and-cuda] brings CUDA/cuDNN as pip wheels for GPU hosts.
 # A bare name takes its version range from pyproject.toml's cpu/gpu extras.
 ARG TF_PACKAGE=tensorflow-cpu
-COPY pyproject.toml docker/requirements.py /src/
+COPY pyproject.toml README.md* docker/requirements.py /src/
+COPY launcher /src/launcher
+COPY worker /src/worker
 RUN python3 /src/requirements.py --pyproject /src/pyproject.toml --tf "$TF_PACKAGE" --build-system \
-      > /requirements.txt
+      > /requirements.txt \
+ && rm /src/requirements.py
 
 FROM ${BASE_IMAGE} AS deps
 # OFFLINE=1: install only from WHEELS_DIR (pip --no-index); the build then needs no network at all.
@@ -30,7 +35,7 @@ FROM ${BASE_IMAGE} AS deps
 ARG OFFLINE=0
 ARG WHEELS_DIR=docker/wheels/cpu
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
-COPY --from=requirements /requirements.txt /build/requirements.txt
+COPY --from=sources /requirements.txt /build/requirements.txt
 # The trailing * lets the build go on when WHEELS_DIR does not exist (online builds).
 COPY docker/requirements.py ${WHEELS_DIR}* /wheels/
 RUN set -eu; \
@@ -51,9 +56,7 @@ RUN set -eu; \
       /opt/venv/bin/python -c "import tensorflow, gymnasium, numpy, matplotlib, docker, pynvml, rich"
 
 FROM deps AS project
-COPY pyproject.toml README.md* /src/
-COPY launcher /src/launcher
-COPY worker /src/worker
+COPY --from=sources /src /src
 # --prefix keeps the project's files apart so the final stage copies kilobytes, not the whole venv.
 RUN /opt/venv/bin/pip install --no-deps --no-build-isolation --no-index --prefix /opt/project /src
 
@@ -64,6 +67,12 @@ ARG UID=10001
 # outside /tmp is written, HOME and every cache point into /tmp, and the venv is world-readable.
 RUN echo "launcher:x:${UID}:${UID}:launcher:/tmp:/usr/sbin/nologin" >>/etc/passwd \
  && echo "launcher:x:${UID}:" >>/etc/group
+# Declared after the last RUN: the legacy builder keys a RUN's cache on every ARG in scope, and
+# REVISION changes with each commit.
+ARG BASE_IMAGE
+ARG TF_PACKAGE=tensorflow-cpu
+ARG VERSION=0.1.0
+ARG REVISION=unknown
 ENV VIRTUAL_ENV=/opt/venv \
     PATH=/opt/venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
     HOME=/tmp \
@@ -80,14 +89,9 @@ WORKDIR /tmp
 USER ${UID}:${UID}
 ENTRYPOINT ["python", "-m", "worker"]
 CMD ["--help"]
-# Everything above and the dependency copy stay cached across commits; the version/revision label and
-# the project's own files come last because they change with every commit. (Each instruction costs the
-# legacy builder a container commit, ~3 s on fuse-overlayfs, so there are as few as possible after it.)
+# Everything above and the dependency copy stay cached across commits; the revision label and the
+# project's own files come last because they change with every commit.
 COPY --from=deps /opt/venv /opt/venv
-ARG BASE_IMAGE
-ARG TF_PACKAGE=tensorflow-cpu
-ARG VERSION=0.1.0
-ARG REVISION=unknown
 LABEL org.opencontainers.image.title="launcher" \
       org.opencontainers.image.description="Worker image for launcher: distributed RL with TensorFlow (master and worker groups)" \
       org.opencontainers.image.version="${VERSION}" \
