@@ -128,16 +128,16 @@ class WorkerGroup:
     def _await(self, conn: Connection) -> Message:
         """Wait for WEIGHTS or STOP, skipping heartbeats."""
         while True:
-            msg = conn.recv()
+            msg = conn.recv(reuse_buffer=True)  # consumed (copied by set_weights) before the next recv
             if msg.type in (MsgType.WEIGHTS, MsgType.STOP):
                 return msg
             if msg.type != MsgType.HEARTBEAT:
                 raise ProtocolError("unexpected_type", f"master sent {msg.type.name}")
 
     def _take_weights(self, msg: Message) -> None:
-        # Copy out of the frame buffer: the arrays are views into it.
-        self.weights = {k: np.array(v) for k, v in msg.arrays.items()}
-        self.policy.set_weights(self.weights, int(msg.fields["version"]))
+        # set_weights copies out of the frame buffer (its arrays are views into the connection's buffer).
+        self.policy.set_weights(msg.arrays, int(msg.fields["version"]))
+        self.weights = self.policy.w
 
     # --------------------------------------------------------------------------------------------- play
     def run(self) -> int:

@@ -1,0 +1,90 @@
+"""``python -m bench [all|tts|actors|transport|memory|launch|report] [--quick]``
+
+Runs the benchmarks, prints a table for each, writes ``bench/results/<name>.json`` and plots, and
+regenerates ``docs/benchmarks.md`` from every result present. Each figure is a ratio against a
+baseline measured in the same run of this script (these machines are noisy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.common import ROOT
+
+RESULTS = ROOT / "bench" / "results"
+DOC = ROOT / "docs" / "benchmarks.md"
+
+
+def _meta() -> dict[str, Any]:
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor())
+    mem = int(next(line.split()[1] for line in Path("/proc/meminfo").read_text().splitlines() if line.startswith("MemTotal")))
+    return {"commit": commit, "cpu": cpu, "cores": os.cpu_count(), "memory_gib": round(mem / 1024**2, 1),
+            "python": platform.python_version(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+
+
+def save(name: str, data: dict[str, Any], command: str) -> None:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    data = {"meta": _meta(), "command": command, **data}
+    (RESULTS / f"{name}.json").write_text(json.dumps(data, indent=2, default=str) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench")
+    parser.add_argument("which", nargs="*", default=["all"],
+                        choices=["all", "tts", "actors", "transport", "memory", "launch", "report"])
+    parser.add_argument("--quick", action="store_true", help="fewer seeds and repetitions")
+    args = parser.parse_args(argv)
+    which = set(args.which)
+    if "all" in which:
+        which = {"transport", "actors", "memory", "launch", "tts"}
+    cmd = "python -m bench " + " ".join(args.which) + (" --quick" if args.quick else "")
+    from bench import suites, transport
+
+    if "transport" in which:
+        rows = transport.run(reps=8 if args.quick else 15)
+        save("transport", {"table": rows}, cmd)
+        _print("transport", rows, ("size", "raw_ms", "protocol_ms", "pipe_ms", "protocol_vs_raw", "protocol_vs_pipe"))
+    if "actors" in which:
+        counts = [1, 2, 4, 8, 16, 32]
+        data = suites.actor_efficiency(counts, steps=40_000 if args.quick else 120_000)
+        save("actors", data, cmd)
+        _print("actor efficiency", data["table"], ("workers", "system_env_steps_per_s", "single_process_env_steps_per_s", "ratio"))
+    if "memory" in which:
+        data = suites.memory(32)
+        save("memory", data, cmd)
+        _print("memory", [data], ("workers", "launcher_pss_mib", "classic_pss_mib", "ratio_pss", "launcher_rss_mib",
+                                  "classic_rss_mib", "ratio_rss"))
+    if "launch" in which:
+        data = suites.launch_latency(32, reps=2 if args.quick else 3)
+        save("launch", data, cmd)
+        _print("launch latency", [data], ("workers", "backend", "median_s"))
+    if "tts" in which:
+        data = suites.time_to_solve([0, 1] if args.quick else [0, 1, 2])
+        save("tts", data, cmd)
+        _print("time to solve", data["table"], ("contender", "median_wall_s", "median_env_steps", "solved", "ratio_vs_baseline"))
+    from bench.report import write_report
+
+    write_report(RESULTS, DOC)
+    print(f"wrote {DOC.relative_to(ROOT)}")
+    return 0
+
+
+def _print(title: str, rows: list[dict[str, Any]], cols: tuple[str, ...]) -> None:
+    print(f"\n{title}")
+    print("  " + "  ".join(f"{c:>24}" for c in cols))
+    for r in rows:
+        print("  " + "  ".join(f"{(f'{r[c]:.3f}' if isinstance(r[c], float) else str(r[c])):>24}" for c in cols))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

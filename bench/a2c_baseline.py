@@ -1,0 +1,70 @@
+"""The baseline every time-to-solve figure is divided by: a tuned single-process A2C.
+
+Same env, same network (worker.models: 64-64 tanh towers), vectorised envs (8, gymnasium
+SyncVectorEnv semantics by hand), numpy inference, a TF train step, no transport. This is the best a
+user gets from one process on this machine; the launcher has to beat it by using both cores.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass
+class SolveResult:
+    solved: bool
+    wall_s: float
+    env_steps: int
+    mean_return: float
+
+
+def solve_cartpole(seed: int, *, target: float = 475.0, window: int = 100, n_envs: int = 8, n_steps: int = 32,
+                   lr: float = 1e-3, max_steps: int = 1_000_000, time_limit_s: float = 300.0) -> SolveResult:
+    """Train A2C on CartPole-v1 until the mean of the last ``window`` returns reaches ``target``."""
+    t0 = time.perf_counter()
+    import tensorflow as tf
+
+    from worker.algorithms.a3c import A3CGradients
+    from worker.algorithms.rollout import Collector
+    from worker.envs import make_env
+    from worker.models import Architecture, NumpyPolicy, get_named_weights
+
+    envs = [make_env("CartPole-v1", seed=seed * 100 + i) for i in range(n_envs)]
+    hp = {"vf_coef": 0.5, "ent_coef": 0.001}
+    arch = Architecture.for_spaces(envs[0].observation_space, envs[0].action_space)
+    learner = A3CGradients(arch, hp, seed)  # one model: compute gradients and apply them in place
+    opt = tf.keras.optimizers.Adam(learning_rate=lr, epsilon=1e-5)
+    variables = learner.variables
+    policy = NumpyPolicy(arch)
+    policy.set_weights(get_named_weights(learner.model), 0)
+    collector = Collector(envs, policy, gamma=0.99, lam=1.0, seed=seed)
+    recent: collections.deque[float] = collections.deque(maxlen=window)
+    version = 0
+
+    @tf.function(reduce_retracing=True)
+    def apply(grads: list[tf.Tensor]) -> None:
+        clipped, _ = tf.clip_by_global_norm(grads, 0.5)
+        opt.apply_gradients(zip(clipped, variables))
+
+    while collector.total_steps < max_steps and time.perf_counter() - t0 < time_limit_s:
+        seg = collector.collect(n_steps)
+        recent.extend(seg.episode_returns)
+        if len(recent) >= window and np.mean(recent) >= target:
+            return SolveResult(True, time.perf_counter() - t0, collector.total_steps, float(np.mean(recent)))
+        batch = seg.flat()
+        g, _, _, _ = learner._grads(batch["obs"], batch["actions"], batch["advantages"], batch["returns"])
+        apply(list(g))
+        version += 1
+        policy.set_weights(get_named_weights(learner.model), version)
+    return SolveResult(False, time.perf_counter() - t0, collector.total_steps, float(np.mean(recent)) if recent else 0.0)
+
+
+if __name__ == "__main__":
+    import sys
+
+    r = solve_cartpole(int(sys.argv[1]) if len(sys.argv) > 1 else 0)
+    print(r)

@@ -1,0 +1,132 @@
+"""Models and algorithms: the numpy actor matches the Keras learner, GAE is right, updates learn,
+and every algorithm x env kind runs for real for a few thousand steps (cleanrl-style smoke tests)."""
+
+from __future__ import annotations
+
+import gymnasium as gym
+import numpy as np
+import pytest
+
+from tests.helpers import only_run, read_json, run_launcher
+from worker.algorithms.rollout import Collector, gae
+from worker.envs import make_env
+from worker.models import Architecture, NumpyPolicy, build_keras_model, check_weights, expected_shapes, get_named_weights
+
+
+@pytest.mark.parametrize("arch", [
+    Architecture(kind="mlp", obs_shape=(4,), continuous=False, n_outputs=2),
+    Architecture(kind="mlp", obs_shape=(3,), continuous=True, n_outputs=1, action_low=(-2.0,), action_high=(2.0,)),
+    Architecture(kind="cnn", obs_shape=(10, 10, 3), continuous=False, n_outputs=4),
+], ids=["mlp-discrete", "mlp-box", "cnn"])
+def test_numpy_forward_matches_keras(arch: Architecture) -> None:
+    model = build_keras_model(arch, seed=1)
+    weights = get_named_weights(model)
+    assert {k: tuple(v.shape) for k, v in weights.items()} == expected_shapes(arch)
+    pol = NumpyPolicy(arch)
+    pol.set_weights(weights, 0)
+    x = np.random.default_rng(0).random((16, *arch.obs_shape), dtype=np.float32)
+    out, v = model(x)
+    out_np, v_np = pol.forward(x)
+    np.testing.assert_allclose(out_np, out.numpy(), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(v_np, v.numpy(), rtol=1e-4, atol=1e-5)
+
+
+def test_weights_with_a_wrong_shape_are_refused() -> None:
+    arch = Architecture(kind="mlp", obs_shape=(4,), continuous=False, n_outputs=2)
+    w = {k: np.zeros(s, np.float32) for k, s in expected_shapes(arch).items()}
+    w["pi_out/kernel"] = np.zeros((64, 3), np.float32)
+    with pytest.raises(ValueError, match="pi_out/kernel"):
+        check_weights(arch, w)
+
+
+def test_gae_against_a_hand_computation() -> None:
+    r = np.array([[1.0], [1.0], [1.0]], np.float32)
+    v = np.array([[0.5], [0.4], [0.3]], np.float32)
+    d = np.array([[0.0], [1.0], [0.0]], np.float32)  # the episode ends after step 1
+    adv, ret = gae(r, v, d, np.array([0.2], np.float32), gamma=0.9, lam=0.8)
+    d2 = 1 + 0.9 * 0.2 - 0.3
+    d1 = 1 - 0.4  # terminal: no bootstrap
+    d0 = 1 + 0.9 * 0.4 - 0.5
+    np.testing.assert_allclose(adv[:, 0], [d0 + 0.9 * 0.8 * d1, d1, d2], rtol=1e-6)
+    np.testing.assert_allclose(ret, adv + v, rtol=1e-6)
+
+
+def test_collector_bootstraps_truncated_episodes() -> None:
+    envs = [gym.make("CartPole-v1", max_episode_steps=5) for _ in range(2)]
+    arch = Architecture.for_spaces(envs[0].observation_space, envs[0].action_space)
+    pol = NumpyPolicy(arch)
+    pol.set_weights({k: np.full(s, 0.01, np.float32) for k, s in expected_shapes(arch).items()}, 3)
+    col = Collector(envs, pol, gamma=0.99, lam=0.95, seed=0)
+    seg = col.collect(12)
+    assert seg.obs.shape == (12, 2, 4) and seg.actions.shape == (12, 2) and seg.version == 3
+    assert seg.steps == 24 and col.total_steps == 24
+    assert all(length == 5 for length in seg.episode_lengths) and len(seg.episode_lengths) >= 4
+    assert np.isfinite(seg.advantages).all()
+
+
+def test_ppo_update_moves_the_policy_toward_advantageous_actions() -> None:
+    from worker.algorithms.ppo import PPOLearner
+
+    arch = Architecture(kind="mlp", obs_shape=(4,), continuous=False, n_outputs=2)
+    hp = {"lr": 3e-3, "clip": 0.2, "vf_coef": 0.5, "ent_coef": 0.0, "max_grad_norm": 0.5, "epochs": 4, "minibatches": 2}
+    learner = PPOLearner(arch, hp, seed=0)
+    pol = NumpyPolicy(arch)
+    pol.set_weights(get_named_weights(learner.model), 0)
+    rng = np.random.default_rng(0)
+    obs = rng.standard_normal((256, 4)).astype(np.float32)
+    actions = rng.integers(0, 2, 256)
+    advantages = np.where(actions == 1, 1.0, -1.0).astype(np.float32)  # action 1 was better everywhere
+    out, _ = pol.forward(obs)
+    logp_all = out - np.log(np.exp(out).sum(1, keepdims=True))
+    logp = logp_all[np.arange(256), actions].astype(np.float32)
+    stats = learner.update({"obs": obs, "actions": actions, "logp": logp, "advantages": advantages,
+                            "returns": np.ones(256, np.float32)})
+    pol.set_weights(get_named_weights(learner.model), 1)
+    out2, _ = pol.forward(obs)
+    p_before = np.exp(logp_all[:, 1]).mean()
+    p_after = (np.exp(out2) / np.exp(out2).sum(1, keepdims=True))[:, 1].mean()
+    assert p_after > p_before + 0.01, (p_before, p_after)
+    assert set(stats) >= {"policy_loss", "value_loss", "entropy", "approx_kl", "clip_frac"}
+
+
+def test_a3c_gradients_applied_on_the_master_change_the_weights() -> None:
+    from worker.algorithms.a3c import A3CGradients, A3CLearner
+
+    arch = Architecture(kind="mlp", obs_shape=(4,), continuous=False, n_outputs=2)
+    hp = {"lr": 1e-3, "vf_coef": 0.5, "ent_coef": 0.01, "max_grad_norm": 0.5}
+    master = A3CLearner(arch, hp, seed=0)
+    group = A3CGradients(arch, hp, seed=5)
+    w0 = get_named_weights(master.model)
+    rng = np.random.default_rng(1)
+    batch = {"obs": rng.standard_normal((64, 4)).astype(np.float32), "actions": rng.integers(0, 2, 64),
+             "advantages": rng.standard_normal(64).astype(np.float32), "returns": rng.standard_normal(64).astype(np.float32)}
+    grads, losses = group.compute(w0, batch)
+    assert set(grads) == set(w0) and all(np.isfinite(g).all() for g in grads.values())
+    norm = master.apply(grads)
+    w1 = get_named_weights(master.model)
+    assert norm > 0 and any(not np.allclose(w0[k], w1[k]) for k in w0)
+
+
+@pytest.mark.parametrize("env_id,algo,workers", [
+    ("launcher/Snake-v0", "ppo", 4),
+    ("launcher/Snake-v0", "a3c", 2),
+    ("Pendulum-v1", "ppo", 2),
+])
+def test_smoke_every_algorithm_and_env_kind(tmp_path, env_id: str, algo: str, workers: int) -> None:
+    proc = run_launcher("up", "--backend", "process", "--workers", str(workers), "--env", env_id, "--algo", algo,
+                        "--max-steps", "3000", "--results", str(tmp_path), "--checkpoint-every", "2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = only_run(tmp_path)
+    summary = read_json(run / "summary.json")
+    assert summary["outcome"] == "max_steps" and summary["updates"] >= 1 and summary["env_steps"] >= 3000
+    assert (run / "model" / "policy.npz").exists()
+    arch = read_json(run / "model" / "architecture.json")["architecture"]
+    assert arch["kind"] == ("cnn" if "Snake" in env_id else "mlp")
+    assert arch["continuous"] == (env_id == "Pendulum-v1")
+    # The saved numpy policy acts in the env.
+    env = make_env(env_id, seed=0)
+    pol = NumpyPolicy(Architecture(**{k: tuple(v) if isinstance(v, list) else v for k, v in arch.items()}))
+    pol.set_weights(dict(np.load(run / "model" / "policy.npz")), 0)
+    obs, _ = env.reset(seed=0)
+    a, logp, v = pol.act(obs[None].astype(np.float32), np.random.default_rng(0), greedy=True)
+    env.step(pol.env_action(a[0]))
