@@ -183,17 +183,25 @@ class Engine:
                 f"no Docker engine answers (DOCKER_HOST={docker_host()}): {exc}",
                 hint="start the engine (`sudo systemctl start docker`), or point DOCKER_HOST at one; your user "
                      "needs access to its socket (the docker group); or use --backend process") from exc
-        self._runtimes: tuple[str, ...] | None = None
+        self._info: dict[str, Any] | None = None
 
     def close(self) -> None:
         self.client.close()
 
     # ------------------------------------------------------------------------------------------ engine
+    def info(self) -> dict[str, Any]:
+        """``docker info``, asked once per Engine."""
+        if self._info is None:
+            self._info = dict(self.client.info())
+        return self._info
+
     def runtimes(self) -> tuple[str, ...]:
         """The OCI runtimes the engine knows (``docker info`` Runtimes), e.g. ``('runc', 'nvidia')``."""
-        if self._runtimes is None:
-            self._runtimes = tuple(sorted((self.client.info().get("Runtimes") or {}).keys()))
-        return self._runtimes
+        return tuple(sorted((self.info().get("Runtimes") or {}).keys()))
+
+    def cpu_count(self) -> int:
+        """CPUs the engine's host has (``docker info`` NCPU): the most ``nano_cpus`` may ask for."""
+        return int(self.info().get("NCPU") or os.cpu_count() or 1)
 
     def has_nvidia_runtime(self) -> bool:
         """Whether nvidia-container-toolkit is registered with the engine."""

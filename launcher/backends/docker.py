@@ -97,12 +97,15 @@ def _device_env(share: ProcessShare) -> dict[str, str]:
     return env
 
 
-def _nano_cpus(cpus: float) -> int:
+def _nano_cpus(cpus: float, limit: int | None) -> int:
+    if limit is not None:
+        cpus = min(cpus, float(limit))
     return max(0, int(round(cpus * 1e9)))
 
 
 def container_specs(run: PreparedRun, *, image: str, gpu_runtime: bool, uid_gid: tuple[int, int] | None = None,
-                    publish_port: int | None = None) -> tuple[ContainerSpec, list[ContainerSpec]]:
+                    publish_port: int | None = None,
+                    engine_cpus: int | None = None) -> tuple[ContainerSpec, list[ContainerSpec]]:
     """The master's and each worker group's container, from the plan. Pure: no engine is asked.
 
     Args:
@@ -110,6 +113,8 @@ def container_specs(run: PreparedRun, *, image: str, gpu_runtime: bool, uid_gid:
         gpu_runtime: whether the engine has the NVIDIA runtime; only then do containers get DeviceRequests.
         uid_gid: who the containers run as (default: the invoking user).
         publish_port: publish the master's port on the host's 127.0.0.1 at this port (None: not published).
+        engine_cpus: CPUs of the engine's host; a CPU limit above it is lowered to it (the engine refuses
+            more, and a plan made on this host may meet a remote engine).
     """
     uid, gid = uid_gid or owner_uid_gid()
     user = f"{uid}:{gid}"
@@ -123,7 +128,7 @@ def container_specs(run: PreparedRun, *, image: str, gpu_runtime: bool, uid_gid:
     master = ContainerSpec(
         name=master_name(run.run_id), image=image, command=("master",), environment=menv,
         labels=labels(run, "master", gpus=m.gpu_uuids, uid=uid), network=net, user=user,
-        nano_cpus=_nano_cpus(m.cpus), gpu_uuids=m.gpu_uuids if gpu_runtime else (), restart_max=None,
+        nano_cpus=_nano_cpus(m.cpus, engine_cpus), gpu_uuids=m.gpu_uuids if gpu_runtime else (), restart_max=None,
         binds={str(run.results_dir.resolve()): RESULTS_MOUNT},
         ports={MASTER_PORT: publish_port} if publish_port is not None else {},
     )
@@ -134,7 +139,7 @@ def container_specs(run: PreparedRun, *, image: str, gpu_runtime: bool, uid_gid:
         groups.append(ContainerSpec(
             name=group_name(run.run_id, g.index), image=image, command=("group", "--index", str(g.index)),
             environment=genv, labels=labels(run, "group", group=g.index, gpus=g.share.gpu_uuids, uid=uid),
-            network=net, user=user, nano_cpus=_nano_cpus(g.share.cpus),
+            network=net, user=user, nano_cpus=_nano_cpus(g.share.cpus, engine_cpus),
             gpu_uuids=g.share.gpu_uuids if gpu_runtime else (), restart_max=run.config.restart_budget,
         ))
     return master, groups
@@ -250,7 +255,7 @@ class DockerBackend(Backend):
         uid, gid = owner_uid_gid()
         _give_to(run.results_dir, uid, gid)
         master, groups = container_specs(run, image=image, gpu_runtime=gpu_runtime, uid_gid=(uid, gid),
-                                         publish_port=self.publish_port)
+                                         publish_port=self.publish_port, engine_cpus=self.engine.cpu_count())
         # Publishing needs a route out of the network; a private run stays --internal.
         self.engine.create_network(network_name(run.run_id), labels(run, "network", uid=uid),
                                    internal=self.publish_port is None)
