@@ -31,9 +31,9 @@ log() { printf 'fetch-wheels: %s\n' "$*" >&2; }
 mkdir -p "$WHEELS"
 reqs=$("$PYTHON" "$HERE/requirements.py" --pyproject "$ROOT/pyproject.toml" --tf "$TF_PACKAGE" --build-system)
 # The target's platform, stated in full: pip only widens manylinux2014 to 2010/1 by itself, and the
-# image's glibc (bookworm: 2.36) runs every manylinux_2_17 .. manylinux_2_36 wheel.
+# image's glibc (bookworm: 2.36) runs every manylinux_2_5 .. manylinux_2_36 wheel.
 platforms=(--platform manylinux2014_x86_64)
-for minor in $(seq 17 36); do platforms+=(--platform "manylinux_2_${minor}_x86_64"); done
+for minor in $(seq 5 36); do platforms+=(--platform "manylinux_2_${minor}_x86_64"); done
 
 stamp="$WHEELS/.complete-$(printf '%s\n%s\n' "$reqs" "${platforms[*]}" | sha256sum | cut -c1-16)"
 if [ -f "$stamp" ]; then
