@@ -122,11 +122,14 @@ def describe(run_dir: RunDir, *, docker_alive: Callable[[str], bool | None] = do
             ended_on_its_own = record.get("detached") and summary.get("outcome") in ("target_reached", "max_steps")
             state = "finished" if ended_on_its_own else "stale"
     started = _first_start(run_dir)
-    final = state not in LIVE_STATES
+    final = state not in (*LIVE_STATES, "stale")  # ended, and the record says how
     last = summary if (final and summary) else status or summary
-    end = record.get("ended") if final else (now or time.time())
-    if final and end is None:
-        end = record.get("updated")
+    if final:
+        end = record.get("ended") or record.get("updated")
+    elif state == "stale":  # it stopped when the master last wrote its status
+        end = status.get("t") or record.get("updated")
+    else:
+        end = now or time.time()
     duration = None if started is None or end is None else max(0.0, float(end) - started)
     workers = record.get("workers") or summary.get("workers") or sum(g.get("workers", 0) for g in spec.get("groups", []))
     best = [v for v in (summary.get("best_mean_return"), status.get("best_mean_return")) if v is not None]

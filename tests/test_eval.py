@@ -1,0 +1,123 @@
+"""`launcher eval` on a really trained run: the return matches the end of training, the GIF has frames."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import jsonschema
+import numpy as np
+import pytest
+from PIL import Image
+
+from launcher import schemas
+from launcher.errors import BadInput
+from launcher.evaluate import evaluate, load_weights, make_render_env
+from launcher.runs import RunDir
+from tests.helpers import ROOT, child_env
+from tests.run_fixtures import TARGET_RETURN, CliRun
+from worker.models import Architecture, NumpyPolicy, expected_shapes
+
+
+def launcher(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "launcher", *args], cwd=ROOT, env=child_env(**env),
+                          capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def trained(trained_cartpole: CliRun) -> RunDir:
+    assert trained_cartpole.returncode == 0, trained_cartpole.stderr[-3000:]
+    run = trained_cartpole.run_dir
+    return RunDir(run.name, run)
+
+
+def test_eval_reports_a_return_close_to_the_end_of_training(trained: RunDir, tmp_path: Path) -> None:
+    gif = tmp_path / "episode.gif"
+    out = launcher("eval", trained.run_id, "--results", str(trained.path.parent), "--episodes", "8", "--json",
+                   "--gif", str(gif))
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    jsonschema.validate(doc, schemas.load(schemas.EVAL_SCHEMA))
+    train_end = json.loads((trained.path / "summary.json").read_text())["mean_return"]
+    assert doc["training_mean_return"] == train_end >= TARGET_RETURN
+    assert doc["checkpoint"] == "final" and doc["weights_from"].endswith("model/policy.npz")
+    assert len(doc["returns"]) == len(doc["lengths"]) == 8 and doc["greedy"] is True
+    # Greedy play of the final policy is at least as good as the stochastic training episodes, give or take.
+    assert doc["mean_return"] >= 0.9 * train_end, doc
+    assert doc["mean_return"] == pytest.approx(float(np.mean(doc["returns"])))
+    assert doc["std_return"] == pytest.approx(float(np.std(doc["returns"])))
+
+    assert doc["gif"]["path"] == str(gif.resolve()) and doc["gif"]["frames"] > 10
+    with Image.open(gif) as im:
+        assert im.format == "GIF" and im.is_animated and im.n_frames > 10
+        assert im.size == (600, 400)  # CartPole's frames, drawn by pygame
+        im.seek(im.n_frames // 2)
+        assert len(set(im.convert("RGB").getdata())) > 2  # a picture, not a blank
+
+    text = launcher("eval", str(trained.path), "--episodes", "2")  # a run directory works as RUN too
+    assert text.returncode == 0, text.stderr
+    assert f"run {trained.run_id} · ppo on CartPole-v1 · final weights" in text.stdout
+    assert "return      mean" in text.stdout and "training    mean return at the end" in text.stdout
+
+
+def test_latest_checkpoint_is_the_final_model(trained: RunDir) -> None:
+    """The TF checkpoint restored into a Keras model gives exactly the weights the master exported."""
+    final = load_weights(trained, "final")
+    latest = load_weights(trained, "latest")
+    assert latest.checkpoint == "latest" and "/checkpoints/ckpt-" in latest.source
+    assert set(final.weights) == set(latest.weights)
+    for name in final.weights:
+        np.testing.assert_array_equal(final.weights[name], latest.weights[name])
+    prefix = Path(latest.source).relative_to(trained.path)
+    by_path = load_weights(trained, str(prefix))
+    assert by_path.checkpoint == "path" and by_path.source == str(trained.path / prefix)
+
+    best = evaluate(trained, episodes=2, checkpoint="best")  # kept by the master as the mean improved
+    assert best["checkpoint"] == "best" and best["weights_from"].endswith("model/best_policy.npz")
+    best_meta = json.loads((trained.path / "model" / "best.json").read_text())
+    assert best_meta["mean_return"] == json.loads((trained.path / "summary.json").read_text())["best_mean_return"]
+
+    with pytest.raises(BadInput, match=r"no TF checkpoint there .*") as err:
+        load_weights(trained, "checkpoints/ckpt-999999")
+    assert err.value.hint and "ckpt-" in err.value.hint
+
+
+def test_missing_pygame_is_a_clear_error(trained: RunDir, tmp_path: Path) -> None:
+    blocker = tmp_path / "site" / "pygame"
+    blocker.mkdir(parents=True)
+    (blocker / "__init__.py").write_text("raise ImportError('pygame blocked by the test')\n")
+    out = launcher("eval", str(trained.path), "--episodes", "1", "--gif", str(tmp_path / "x.gif"),
+                   PYTHONPATH=f"{blocker.parent}:{ROOT}")
+    assert out.returncode == 6, out.stderr  # MISSING_DEPENDENCY
+    assert out.stderr.startswith("launcher: error: --gif: CartPole-v1 draws its frames with pygame, which is not "
+                                 "installed")
+    assert "HINT: pip install 'launcher[render]' (pygame), or leave out --gif" in out.stderr
+    assert not (tmp_path / "x.gif").exists()
+
+
+def test_snake_gif_from_its_own_frames(tmp_path: Path) -> None:
+    """Snake draws its grid itself (no pygame); the architecture comes from the spec when not exported."""
+    from worker.envs import SNAKE_ID, make_env
+
+    run = tmp_path / "snake-ppo-1"
+    (run / "model").mkdir(parents=True)
+    (run / "spec.json").write_text(json.dumps({"run_id": run.name, "env_id": SNAKE_ID, "algo": "ppo",
+                                               "return_window": 100, "hparams": {}}))
+    env = make_env(SNAKE_ID, seed=0)
+    arch = Architecture.for_spaces(env.observation_space, env.action_space)
+    rng = np.random.default_rng(0)
+    weights = {k: rng.normal(0, 0.05, shape).astype(np.float32) for k, shape in expected_shapes(arch).items()}
+    np.savez(run / "model" / "policy.npz", **weights)
+    NumpyPolicy(arch).set_weights(weights, 0)  # the weights fit the architecture eval will rebuild
+    doc = evaluate(RunDir(run.name, run), episodes=3, gif=tmp_path / "snake.gif")
+    assert doc["env_id"] == SNAKE_ID and len(doc["returns"]) == 3
+    frame = make_render_env(SNAKE_ID, 0).render()
+    with Image.open(tmp_path / "snake.gif") as im:
+        assert im.n_frames >= 2 and im.size == (frame.shape[1], frame.shape[0])
+    assert doc["gif"]["frames"] == doc["lengths"][0] + 1  # the first observation and one frame per step
+    with pytest.raises(BadInput, match="has no model/best_policy.npz"):
+        evaluate(RunDir(run.name, run), episodes=1, checkpoint="best")
+    with pytest.raises(BadInput, match="--episodes must be >= 1"):
+        evaluate(RunDir(run.name, run), episodes=0)
