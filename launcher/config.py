@@ -414,8 +414,8 @@ def resolve_config(flags: Mapping[str, Any], *, file_values: Mapping[str, Any] |
             hparams.update(value)
             origin["hparams"] = "flag --set" if origin["hparams"] == "default" else f"{origin['hparams']} + flag --set"
             continue
-        opt = BY_FIELD.get(name)
-        if opt is None:
+        flag_opt = BY_FIELD.get(name)
+        if flag_opt is None:
             if name in FIELD_TYPES:  # resume: flag-only, already typed
                 values[name] = value
                 origin[name] = f"flag --{name}"
@@ -423,10 +423,10 @@ def resolve_config(flags: Mapping[str, Any], *, file_values: Mapping[str, Any] |
                 problems.append(f"unknown option {name!r}")
             continue
         try:
-            values[name] = coerce(opt, value)
-            origin[name] = f"flag {opt.flag}"
+            values[name] = coerce(flag_opt, value)
+            origin[name] = f"flag {flag_opt.flag}"
         except ValueError as exc:
-            problems.append(f"flag {opt.flag} {value!r}: {exc}")
+            problems.append(f"flag {flag_opt.flag} {value!r}: {exc}")
     if hparams:
         values["hparams"] = hparams
     if problems:

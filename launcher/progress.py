@@ -123,10 +123,8 @@ def estimate(steps: int, max_steps: int | None, rate: float | None, mean: float 
         return None, None, None
     with_eta = [o for o in options if o[1] is not None]
     if with_eta:
-        pct, eta, basis = min(with_eta, key=lambda o: o[1] or 0.0)
-        return pct, eta, basis
-    pct, eta, basis = max(options, key=lambda o: o[0] or 0.0)
-    return pct, eta, basis
+        return min(with_eta, key=lambda o: o[1] or 0.0)
+    return max(options, key=lambda o: o[0] or 0.0)
 
 
 def _slope(points: Sequence[tuple[float, float]]) -> float:
@@ -384,16 +382,17 @@ def render_snapshot(snap: Snapshot, events: Sequence[str] = ()) -> Any:
     parts: list[Any] = [groups]
     ck = "-" if snap.checkpoint_updates is None else \
         f"at update {snap.checkpoint_updates:,}, {_duration(snap.checkpoint_age_s)} ago"
-    parts.append(Text(f"master ({snap.master_gpu}): {snap.updates:,} updates ({_f(snap.updates_per_s, 2)}/s) · "
+    where = "CPU" if snap.master_gpu == "cpu" else f"GPU {snap.master_gpu}"
+    parts.append(Text(f"master on {where}: {snap.updates:,} updates ({_f(snap.updates_per_s, 2)}/s) · "
                       f"queue {_f(snap.queue)} · checkpoint {ck} · {_f(snap.env_steps_per_s, 0)} env steps/s"
                       f" · rejected {snap.rejected}"))
     if snap.gpus:
         gt = Table(title="GPUs", title_justify="left")
         for col in ("GPU", "name", "memory used / total", "util"):
             gt.add_column(col)
-        for g in snap.gpus:
-            gt.add_row(str(g.index), g.name, f"{format_size(g.memory_used_bytes)} / {format_size(g.memory_total_bytes)}",
-                       "-" if g.utilization_pct is None else f"{g.utilization_pct}%")
+        for d in snap.gpus:
+            gt.add_row(str(d.index), d.name, f"{format_size(d.memory_used_bytes)} / {format_size(d.memory_total_bytes)}",
+                       "-" if d.utilization_pct is None else f"{d.utilization_pct}%")
         parts.append(gt)
     parts.append(Text(progress_text(snap)))
     if events:

@@ -51,9 +51,10 @@ def test_eval_reports_a_return_close_to_the_end_of_training(trained: RunDir, tmp
 
     assert doc["gif"]["path"] == str(gif.resolve()) and doc["gif"]["frames"] > 10
     with Image.open(gif) as im:
-        assert im.format == "GIF" and im.is_animated and im.n_frames > 10
+        n_frames: int = getattr(im, "n_frames")
+        assert im.format == "GIF" and getattr(im, "is_animated") and n_frames > 10
         assert im.size == (600, 400)  # CartPole's frames, drawn by pygame
-        im.seek(im.n_frames // 2)
+        im.seek(n_frames // 2)
         assert len(set(im.convert("RGB").getdata())) > 2  # a picture, not a blank
 
     text = launcher("eval", str(trained.path), "--episodes", "2")  # a run directory works as RUN too
@@ -109,13 +110,13 @@ def test_snake_gif_from_its_own_frames(tmp_path: Path) -> None:
     arch = Architecture.for_spaces(env.observation_space, env.action_space)
     rng = np.random.default_rng(0)
     weights = {k: rng.normal(0, 0.05, shape).astype(np.float32) for k, shape in expected_shapes(arch).items()}
-    np.savez(run / "model" / "policy.npz", **weights)
+    np.savez(run / "model" / "policy.npz", **weights)  # type: ignore[arg-type]  # numpy's stub misreads **
     NumpyPolicy(arch).set_weights(weights, 0)  # the weights fit the architecture eval will rebuild
     doc = evaluate(RunDir(run.name, run), episodes=3, gif=tmp_path / "snake.gif")
     assert doc["env_id"] == SNAKE_ID and len(doc["returns"]) == 3
     frame = make_render_env(SNAKE_ID, 0).render()
     with Image.open(tmp_path / "snake.gif") as im:
-        assert im.n_frames >= 2 and im.size == (frame.shape[1], frame.shape[0])
+        assert getattr(im, "n_frames") >= 2 and im.size == (frame.shape[1], frame.shape[0])
     assert doc["gif"]["frames"] == doc["lengths"][0] + 1  # the first observation and one frame per step
     with pytest.raises(BadInput, match="has no model/best_policy.npz"):
         evaluate(RunDir(run.name, run), episodes=1, checkpoint="best")

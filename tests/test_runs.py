@@ -53,7 +53,7 @@ def _start(root: Path, *args: str) -> subprocess.Popen[str]:
 
 
 def _row(run: Path) -> dict[str, Any]:
-    row = next(r for r in runs_json(run.parent)["runs"] if r["run_id"] == run.name)
+    row: dict[str, Any] = next(r for r in runs_json(run.parent)["runs"] if r["run_id"] == run.name)
     return row
 
 
