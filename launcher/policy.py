@@ -19,9 +19,9 @@ from __future__ import annotations
 import difflib
 import os
 import tomllib
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from launcher.errors import BadInput, ConfigErrors
 from launcher.gpu_select import format_size, parse_size
@@ -215,6 +215,37 @@ def check_plan(plan: Any, policy: SitePolicy) -> list[str]:
 
 
 # ------------------------------------------------------------------------------- the hook where plans are made
+def plan_obeying(make: Callable[[Any], tuple[Any, Any]], request: Any, policy: SitePolicy
+                 ) -> tuple[Any, Any, list[str]]:
+    """Plan with ``make(request) -> (plan, reservation or None)`` within ``max_workers_per_gpu``.
+
+    Placement gives the master a GPU of its own when the workers fit on the others (by memory); with a
+    per-GPU worker cap that can crowd them, so when the request left that choice open, a refused plan is
+    made again with the master sharing a GPU and the workers spread over every GPU. A refused plan's
+    reservation is released. Returns (plan, reservation, reasons).
+
+    Raises:
+        PolicyViolation: no plan fits the cap.
+    """
+    plan, reservation = make(request)
+    try:
+        return plan, reservation, check_plan(plan, policy)
+    except PolicyViolation:
+        if reservation is not None:
+            reservation.release()
+        if request.isolate_master is not None:
+            raise
+    plan, reservation = make(replace(request, isolate_master=False))
+    try:
+        reasons = check_plan(plan, policy)
+    except PolicyViolation:
+        if reservation is not None:
+            reservation.release()
+        raise
+    return plan, reservation, [*reasons, f"the master shares a GPU so the workers spread over every GPU "
+                                         f"({policy.label}: at most {policy.max_workers_per_gpu} per GPU)"]
+
+
 def held_by_user(user: str, lock_dir: str | Path | None, *, exclude_run: str | None = None) -> int:
     """GPUs that ``user``'s launcher runs (other than ``exclude_run``) hold now, from the lock files."""
     from launcher import reservations

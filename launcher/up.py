@@ -78,16 +78,12 @@ def make_plan(cfg: RunConfig, run_id: str, *, cpu_count: int | None = None) -> t
     min_free, notes = policy.floor_min_free_memory(parse_size(cfg.min_free_memory, what="--min-free-memory"), site)
     request = placement.PlanRequest(workers=cfg.workers, max_workers_per_group=cfg.max_workers_per_group,
                                     groups=cfg.groups)
-    plan, reservation = plan_and_reserve(
-        request, choice=cfg.gpus, run_id=run_id, cpu_count=cpu_count or os.cpu_count() or 1, lock_dir=cfg.lock_dir,
-        min_free_memory=min_free, max_utilization_pct=cfg.max_utilization,
-        gpu_filter=policy.gpu_filter_for(site, gpus_choice=cfg.gpus, lock_dir=cfg.lock_dir, run_id=run_id))
-    try:
-        limits = policy.check_plan(plan, site)
-    except policy.PolicyViolation:
-        if reservation is not None:
-            reservation.release()
-        raise
+    gpu_filter = policy.gpu_filter_for(site, gpus_choice=cfg.gpus, lock_dir=cfg.lock_dir, run_id=run_id)
+    plan, reservation, limits = policy.plan_obeying(
+        lambda req: plan_and_reserve(req, choice=cfg.gpus, run_id=run_id, cpu_count=cpu_count or os.cpu_count() or 1,
+                                     lock_dir=cfg.lock_dir, min_free_memory=min_free,
+                                     max_utilization_pct=cfg.max_utilization, gpu_filter=gpu_filter),
+        request, site)
     if parse_gpu_choice(cfg.gpus).mode == "none":
         notes = []
     return dataclasses.replace(plan, reasons=(*notes, *plan.reasons, *limits)), reservation

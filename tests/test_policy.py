@@ -112,6 +112,28 @@ def test_workers_per_gpu() -> None:
     assert policy.check_plan(cpu, SitePolicy(max_workers_per_gpu=1)) == []
 
 
+def test_a_crowded_plan_is_made_again_with_the_master_sharing() -> None:
+    """48 workers fit one GPU by memory, so placement isolates the master and crowds the other GPU; a cap of
+    32 per GPU makes the planner spread them over both instead."""
+    from dataclasses import replace
+
+    from launcher.placement import PlanRequest, make_plan
+
+    site = SitePolicy(max_workers_per_gpu=32)
+    gpus = [gpu(0), gpu(1)]
+    assert [g.share.gpu_indices for g in make_plan(PlanRequest(workers=48), gpus, 8).groups] == [(1,)] * 3
+    plan, reservation, reasons = policy.plan_obeying(lambda r: (make_plan(r, gpus, 8), None), PlanRequest(workers=48),
+                                                     site)
+    per_gpu = {i: sum(g.workers for g in plan.groups if g.share.gpu_indices == (i,)) for i in (0, 1)}
+    assert per_gpu == {0: 24, 1: 24} and reservation is None
+    assert reasons[-1] == "the master shares a GPU so the workers spread over every GPU (site policy: at most 32 per GPU)"
+    with pytest.raises(PolicyViolation, match="puts 40 workers on GPU 0.*at most 64 workers on the 2 GPU"):
+        policy.plan_obeying(lambda r: (make_plan(r, gpus, 8), None), PlanRequest(workers=80), site)
+    with pytest.raises(PolicyViolation, match="puts 48 workers on GPU 1"):  # isolation asked for: no second try
+        policy.plan_obeying(lambda r: (make_plan(r, gpus, 8), None), replace(PlanRequest(workers=48),
+                                                                             isolate_master=True), site)
+
+
 # ------------------------------------------------------------------------- a simulated 4-GPU machine
 def launcher(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "launcher", *args], env=env, cwd=REPO, capture_output=True,
@@ -141,9 +163,9 @@ def test_plan_obeys_the_policy_on_a_simulated_machine(nvml_stub: NvmlStub, tmp_p
     assert named.stderr.startswith(f"launcher: error: --gpus names GPU 0 ({stub_uuid(0)}), which site policy {p} "
                                    "reserves\nHINT: ")
 
-    p.write_text("max_workers_per_gpu = 2\n")
+    p.write_text("max_workers_per_gpu = 1\n")
     crowded = launcher(env, "plan", "--workers", "8", "--sample-interval", "0")
-    assert crowded.returncode == 2 and "allows 2 per GPU" in crowded.stderr
+    assert crowded.returncode == 2 and "allows 1 per GPU" in crowded.stderr
 
     p.write_text("max_gpu_per_user = 2\n")
     broken = launcher(env, "plan", "--workers", "8")
@@ -168,7 +190,7 @@ def test_up_plans_within_the_policy(nvml_stub: NvmlStub, tmp_path: Path, monkeyp
                        for r in plan.reasons)
         finally:
             reservation.release()
-    monkeypatch.setenv("LAUNCHER_POLICY", str(write(tmp_path, "max_workers_per_gpu = 2\n")))
-    with pytest.raises(PolicyViolation, match="allows 2 per GPU"):
+    monkeypatch.setenv("LAUNCHER_POLICY", str(write(tmp_path, "max_workers_per_gpu = 1\n")))
+    with pytest.raises(PolicyViolation, match="allows 1 per GPU"):
         make_plan(cfg, "run-crowded", cpu_count=4)
     assert reservations.list_holders(nvml_stub.lock_dir) == []  # the refused plan's GPUs were released

@@ -182,8 +182,10 @@ def run(args: argparse.Namespace) -> int:
     if gpu_filter is not None:
         gpus, limited = gpu_filter(gpus)
         reasons = [*reasons, *limited]
-    plan = make_plan(request, gpus, cpu_count(), reasons=[*(notes if args.gpus != "none" else []), *reasons])
-    plan = replace(plan, reasons=(*plan.reasons, *policy.check_plan(plan, site)))
+    first = [*(notes if args.gpus != "none" else []), *reasons]
+    plan, _, limits = policy.plan_obeying(lambda req: (make_plan(req, gpus, cpu_count(), reasons=first), None),
+                                          request, site)
+    plan = replace(plan, reasons=(*plan.reasons, *limits))
     if args.json:
         doc = plan_document(plan, request, gpus)
         doc["policy"] = None if site.empty else site.to_dict()
