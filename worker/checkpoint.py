@@ -60,15 +60,29 @@ class Checkpointer:
         return str(self.manager.save(checkpoint_number=counters.updates))
 
     def restore_latest(self) -> tuple[Counters, list[float], str] | None:
-        """Restore the newest readable checkpoint; None when there is none."""
+        """Restore the newest readable checkpoint; None when there is none.
+
+        Every tensor of a candidate is read first (each read checks its CRC32C): ``restore`` alone reads
+        only the variables that exist now, so damage in, say, the optimiser's slots would surface at the
+        first update instead, and a truncated data file raises IndexError, not an OpError.
+        """
         for path in reversed(self.manager.checkpoints):
             try:
+                damage_check(path)
                 self.checkpoint.restore(path).expect_partial()
-            except (tf.errors.OpError, ValueError, AssertionError) as exc:
-                log.warning("checkpoint %s is unreadable (%s); trying an older one", path, exc)
+            except (tf.errors.OpError, ValueError, AssertionError, IndexError) as exc:
+                log.warning("checkpoint %s is unreadable (%s: %s); trying an older one", path,
+                            type(exc).__name__, exc)
                 continue
             values = self._counters.numpy().tolist()
             counters = Counters(**dict(zip(COUNTERS, (int(v) for v in values))))
             n = int(self._n_returns.numpy())
             return counters, self._returns.numpy()[:n].tolist(), path
         return None
+
+
+def damage_check(path: str) -> None:
+    """Read every tensor of the checkpoint at ``path``; raises (OpError, IndexError, ...) if any is damaged."""
+    reader = tf.train.load_checkpoint(path)
+    for name in reader.get_variable_to_shape_map():
+        reader.get_tensor(name)
