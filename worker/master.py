@@ -112,6 +112,8 @@ class Master:
         self.started = time.time()
         self._weights_cache: tuple[int, list[Any]] | None = None
         self._lock = threading.Lock()
+        # Set once the learner is built and restored: only then may shutdown save a checkpoint or export.
+        self._learner_ready = False
 
     # ------------------------------------------------------------------------------------ learner setup
     def _build_learner(self) -> None:
@@ -145,6 +147,7 @@ class Master:
         from worker.results import TensorBoardWriter
 
         self.tb = TensorBoardWriter(self.files.tensorboard)
+        self._learner_ready = True
 
     def weights_frame(self) -> list[Any]:
         """The current weights encoded once per version and shared by every send."""
@@ -430,10 +433,12 @@ class Master:
         if server is not None:
             server.broadcast_stop(reason)
         try:
-            if hasattr(self, "ckpt"):
+            # A learner that failed to build or restore holds fresh weights and zero counters: saving it
+            # would push the run's real checkpoints out (max_to_keep) and a resume would start over.
+            if self._learner_ready:
                 self._checkpoint()
                 self._export()
-            self._report()
+                self._report()
         except Exception:
             log.exception("final checkpoint/export failed")
             failed = True
