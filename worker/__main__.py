@@ -38,7 +38,10 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger(noisy).setLevel(logging.WARNING)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
+    from worker.gpu_setup import adopt_swarm_gpus
     from worker.spec import take_secret
+
+    adopt_swarm_gpus()  # on a swarm the engine picked this task's GPUs; before anything loads CUDA
 
     try:
         spec = _load_spec(args.spec)

@@ -8,9 +8,36 @@ import ``launcher``: it runs inside the worker image.
 from __future__ import annotations
 
 import logging
-from typing import Any
+import os
+from typing import Any, MutableMapping
 
 logger = logging.getLogger(__name__)
+
+# Docker Swarm names the generic resources it assigned to a task in DOCKER_RESOURCE_<KIND> (the kind upper-cased,
+# nothing else changed): the launcher's services reserve kind NVIDIA-GPU. The others are kinds seen in guides.
+SWARM_GPU_ENV = ("DOCKER_RESOURCE_NVIDIA-GPU", "DOCKER_RESOURCE_NVIDIA_GPU", "DOCKER_RESOURCE_GPU")
+
+
+def adopt_swarm_gpus(environ: MutableMapping[str, str] | None = None) -> tuple[str, ...]:
+    """Make CUDA see exactly the GPUs Docker Swarm assigned to this task, and return them.
+
+    On a swarm the engine, not the launcher, picks a task's GPUs and names them in ``DOCKER_RESOURCE_NVIDIA-GPU``
+    (the NVIDIA runtime mounts them when its ``swarm-resource`` setting names that variable). This copies them
+    into ``NVIDIA_VISIBLE_DEVICES`` and, when they are UUIDs, ``CUDA_VISIBLE_DEVICES`` (a UUID names the same GPU
+    inside and outside the container; an index may not), so a node whose runtime mounts more GPUs than assigned
+    still uses only the assigned ones. Must run before TensorFlow loads. No such variable: nothing changes.
+    """
+    env = os.environ if environ is None else environ
+    for name in SWARM_GPU_ENV:
+        ids = tuple(x.strip() for x in env.get(name, "").split(",") if x.strip())
+        if ids:
+            env["NVIDIA_VISIBLE_DEVICES"] = ",".join(ids)
+            if all(i.startswith(("GPU-", "MIG-")) for i in ids):
+                env["CUDA_VISIBLE_DEVICES"] = ",".join(ids)
+                env.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
+            logger.info("swarm assigned GPU(s) %s (%s)", ", ".join(ids), name)
+            return ids
+    return ()
 
 
 def configure_tf_devices(memory_limit_bytes: int | None, *, tf: Any = None) -> list[str]:
