@@ -31,6 +31,7 @@ from launcher.errors import BadInput, ConfigErrors
 BACKENDS = ("auto", "process", "docker", "swarm")
 ALGOS = ("ppo", "a3c")
 PROGRESS_MODES = ("auto", "live", "plain", "off")
+SWARM_MASTER = ("auto", "local", "storage", "any")
 MAX_WORKERS = 1024
 CONFIG_FILE_NAME = "launcher.toml"
 CONFIG_ENV = "LAUNCHER_CONFIG"
@@ -60,6 +61,7 @@ class RunConfig:
     restart_budget: int = 3
     hparams: Mapping[str, Any] = field(default_factory=dict)
     image: str | None = None
+    swarm_master: str = "auto"  # swarm backend: where the master runs (launcher.backends.swarm.master_placement)
     min_free_memory: str = "1GiB"
     max_utilization: float = 50.0
     lock_dir: Path | None = None
@@ -138,6 +140,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("min-free-memory", "min_free_memory", "size", "least free memory per GPU, e.g. 8GiB", metavar="SIZE"),
     Option("max-utilization", "max_utilization", "float", "highest GPU utilization, percent", metavar="PCT"),
     Option("image", "image", "str", "container image (docker/swarm backends)", nullable=True, metavar="IMAGE"),
+    Option("swarm-master", "swarm_master", "choice", "swarm backend: the master's node; auto: a node labelled "
+           "launcher.storage=true if any, else this one (docs/scaling-out.md)", choices=SWARM_MASTER),
     Option("lock-dir", "lock_dir", "path", "GPU reservation lock directory", nullable=True, metavar="DIR"),
     Option("detach", "detach", "bool", "return at once (docker)"),
     Option("json", "json", "bool", "print the result as JSON (schema launcher.result/v1) on stdout"),

@@ -55,7 +55,7 @@ def make_backend(name: str, cfg: RunConfig, *, progress: Callable[[str], None] |
         except ImportError:
             raise MissingDependency("the swarm backend is not available in this version",
                                     hint="use --backend docker or --backend process") from None
-        return SwarmBackend(image=cfg.image)
+        return SwarmBackend(image=cfg.image, progress=progress, master_placement=cfg.swarm_master)
     raise BadInput(f"unknown backend {name!r}", hint="choose auto, process, docker or swarm")
 
 
