@@ -9,7 +9,7 @@ from typing import Any, Mapping
 import numpy as np
 import tensorflow as tf
 
-from worker.algorithms.tfdist import log_prob_entropy
+from worker.algorithms.tfdist import LearnerBase, log_prob_entropy
 from worker.models import Architecture, build_keras_model, set_named_weights, trainable_variables, variable_name
 
 
@@ -44,15 +44,11 @@ class A3CGradients:
         return named, {"policy_loss": float(pg), "value_loss": float(v_loss), "entropy": float(entropy)}
 
 
-class A3CLearner:
+class A3CLearner(LearnerBase):
     """Master side: applies pushed gradients (clipped by global norm) with one shared optimiser."""
 
     def __init__(self, arch: Architecture, hp: Mapping[str, Any], seed: int) -> None:
-        self.arch = arch
-        self.hp = dict(hp)
-        self.model = build_keras_model(arch, seed)
-        self.optimizer = tf.keras.optimizers.Adam(learning_rate=float(hp["lr"]), epsilon=1e-5)
-        self.variables = trainable_variables(self.model)
+        super().__init__(arch, hp, seed)
         self.names = [variable_name(v) for v in self.variables]
         max_norm = float(hp["max_grad_norm"])
         variables, opt = self.variables, self.optimizer

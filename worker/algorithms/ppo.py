@@ -7,19 +7,15 @@ from typing import Any, Mapping
 import numpy as np
 import tensorflow as tf
 
-from worker.algorithms.tfdist import log_prob_entropy
-from worker.models import Architecture, build_keras_model, trainable_variables
+from worker.algorithms.tfdist import LearnerBase, log_prob_entropy
+from worker.models import Architecture
 
 
-class PPOLearner:
+class PPOLearner(LearnerBase):
     """Holds the model and optimiser; :meth:`update` runs ``epochs`` x ``minibatches`` clipped steps."""
 
     def __init__(self, arch: Architecture, hp: Mapping[str, Any], seed: int) -> None:
-        self.arch = arch
-        self.hp = dict(hp)
-        self.model = build_keras_model(arch, seed)
-        self.optimizer = tf.keras.optimizers.Adam(learning_rate=float(hp["lr"]), epsilon=1e-5)
-        self.variables = trainable_variables(self.model)
+        super().__init__(arch, hp, seed)
         self.rng = np.random.default_rng(seed)
         self._step = self._make_step()
 

@@ -1,4 +1,5 @@
-"""Action distributions in TensorFlow (categorical for Discrete, diagonal Gaussian for Box)."""
+"""TensorFlow pieces shared by the learners: action distributions (categorical for Discrete, diagonal
+Gaussian for Box) and the model + optimiser every learner holds."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import math
 from typing import Any
 
 import tensorflow as tf
+
+from worker.models import Architecture, build_keras_model, trainable_variables
 
 
 def log_prob_entropy(model: Any, out: tf.Tensor, actions: tf.Tensor, continuous: bool) -> tuple[tf.Tensor, tf.Tensor]:
@@ -22,3 +25,14 @@ def log_prob_entropy(model: Any, out: tf.Tensor, actions: tf.Tensor, continuous:
     logp = tf.reduce_sum(-0.5 * tf.square(z) - log_std - 0.5 * math.log(2 * math.pi), axis=1)
     entropy = tf.reduce_sum(log_std + 0.5 * math.log(2 * math.pi * math.e))
     return logp, entropy
+
+
+class LearnerBase:
+    """The Keras model, its Adam optimiser and the trainable variables, built once per learner."""
+
+    def __init__(self, arch: Architecture, hp: Any, seed: int) -> None:
+        self.arch = arch
+        self.hp = dict(hp)
+        self.model = build_keras_model(arch, seed)
+        self.optimizer = tf.keras.optimizers.Adam(learning_rate=float(hp["lr"]), epsilon=1e-5)
+        self.variables = trainable_variables(self.model)
