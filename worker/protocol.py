@@ -156,7 +156,8 @@ def decode_payload(msg_type: MsgType, payload: memoryview) -> Message:
     try:
         meta = json.loads(bytes(payload[META_LEN.size: META_LEN.size + meta_len]).decode("utf-8"),
                           parse_constant=_reject_constant)
-    except (UnicodeDecodeError, json.JSONDecodeError, ValueError) as exc:
+    except (UnicodeDecodeError, json.JSONDecodeError, ValueError, RecursionError) as exc:
+        # RecursionError: 4 KiB of '[' nests past the parser's limit; it must not escape as a crash.
         raise ProtocolError("malformed", f"meta is not valid JSON: {exc}") from None
     if not isinstance(meta, dict) or not isinstance(meta.get("f", {}), dict) or not isinstance(meta.get("a", []), list):
         raise ProtocolError("malformed", "meta must be an object with 'f' (object) and 'a' (list)")
