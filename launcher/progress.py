@@ -429,19 +429,23 @@ class LiveReporter:
         self.tracker = Tracker(clock)
         self.clock = clock
         self.gpu_reader = gpu_reader
-        self.events: list[str] = []
         self._gpus: Sequence[Any] = ()
         self._gpus_at: float | None = None
 
     def __call__(self, kind: str, data: dict[str, Any]) -> None:
         self.tracker.update(kind, data)
         if kind == "event":
-            self.events = (self.events + [time.strftime("%H:%M:%S ") + data["message"]])[-6:]
-            self.console.log(data["message"])
+            self._say(data["message"])
         elif kind == "prepared":
-            self.console.log(f"run {data['run_id']} -> {data['results']}")
+            self._say(f"run {data['run_id']} -> {data['results']}")
         elif kind == "status":
             self.live.update(self.render())
+
+    def _say(self, message: str) -> None:
+        """A message above the live table, with the time (rich's ``log`` would add our source path)."""
+        from rich.text import Text
+
+        self.console.print(Text(time.strftime("%H:%M:%S ") + message, style="dim"))
 
     def render(self) -> Any:
         now = self.clock()
