@@ -26,7 +26,7 @@ from launcher.backends.docker import (MASTER_PORT, DockerBackend, check_gpu_runt
                                       master_name, network_name, proc_state, teardown)
 from launcher.config import RunConfig
 from launcher.docker_client import ContainerSnapshot, Engine
-from launcher.errors import MissingDependency
+from launcher.errors import BadInput, MissingDependency
 from launcher.nvml import GpuInfo
 from launcher.placement import PlanRequest, cpu_plan, make_plan
 from launcher.runs import create_run_dir, new_secret
@@ -163,6 +163,36 @@ def test_a_group_the_policy_ignores_is_started_again_within_budget(tmp_path: Pat
     engine.snaps["g0"] = snap("exited", 137)
     st = backend.poll()
     assert st.groups[0].state == ProcState.LOST and engine.started == ["g0"], "the budget (1) is spent"
+
+
+class LeftoverEngine(FakeEngine):
+    """An engine on which the run still has containers (say, a detached run not yet brought down)."""
+
+    def __init__(self) -> None:
+        super().__init__({})
+        self.calls: list[str] = []
+
+    def runtimes(self) -> tuple[str, ...]:
+        return ("runc",)
+
+    def containers(self, labels: dict[str, str | None]) -> list[ContainerSnapshot]:
+        self.calls.append("containers")
+        return [replace(snap("running"), name="launcher-x-master")]
+
+    def networks(self, labels: dict[str, str | None]) -> list[tuple[str, str, dict[str, str]]]:
+        return []
+
+    def __getattr__(self, name: str) -> Any:
+        raise AssertionError(f"a refused start must not call engine.{name}")
+
+
+def test_a_refused_start_leaves_the_runs_containers_alone(tmp_path: Path) -> None:
+    run = prepared(tmp_path)
+    backend = DockerBackend("img", engine=LeftoverEngine())  # type: ignore[arg-type]
+    with pytest.raises(BadInput, match="still has containers") as err:
+        backend.start(run)
+    assert f"launcher down {run.run_id}" in (err.value.hint or "")
+    backend.stop()  # what the supervisor's finally does: nothing of someone else's may be stopped or removed
 
 
 # --------------------------------------------------------------------------------------- real engine

@@ -204,6 +204,7 @@ class DockerBackend(Backend):
         self.group_ids: dict[int, str] = {}
         self.master_id: str | None = None
         self._stopped = False
+        self._created = False  # whether this backend created anything on the engine that stop() must remove
         self._own_restarts: dict[int, int] = {}  # group -> restarts the backend did itself (see poll)
         self._exited_since: dict[int, float] = {}
 
@@ -256,6 +257,9 @@ class DockerBackend(Backend):
         _give_to(run.results_dir, uid, gid)
         master, groups = container_specs(run, image=image, gpu_runtime=gpu_runtime, uid_gid=(uid, gid),
                                          publish_port=self.publish_port, engine_cpus=self.engine.cpu_count())
+        # From here on stop() removes the run's parts; a refused start (above) must leave another
+        # launcher's containers of the same run alone.
+        self._created = True
         # Publishing needs a route out of the network; a private run stays --internal.
         self.engine.create_network(network_name(run.run_id), labels(run, "network", uid=uid),
                                    internal=self.publish_port is None)
@@ -314,7 +318,7 @@ class DockerBackend(Backend):
         self.engine.restart(self.group_ids[index])
 
     def stop(self, *, grace_s: float = 8.0) -> None:
-        if self._stopped or self.run is None:
+        if self._stopped or self.run is None or not self._created:
             return
         self._stopped = True
         teardown(self.engine, self.run.run_id, grace_s=grace_s, logs_dir=self.run.run_dir.files.logs)
