@@ -171,7 +171,13 @@ def view_run(run_dir: RunDir | None, *, engine: dc.Engine | None = None, engine_
         view.parts = _container_parts(engine.containers({dc.RUN_LABEL: rid}))
     elif backend == "process":
         view.parts = _process_parts(run_dir, record) if run_dir else []
-    if view.state in LIVE_STATES and not view.live:
+    master = next((p for p in view.parts if p.name == "master"), None)
+    if view.state in LIVE_STATES and master is not None and master.state in ("exited", "dead") and master.exit_code:
+        # Groups may still be retrying (and restarting) while nobody serves them.
+        view.state = "failed"
+        view.note = (f"the master exited with code {master.exit_code}; `launcher down {rid}` then "
+                     f"`launcher up --resume {rid}` continues from the last checkpoint")
+    elif view.state in LIVE_STATES and not view.live:
         if record.get("detached") and view.parts:
             view.state = "ended"  # a detached run's containers exit when it is done; `down` removes them
         else:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from launcher import docker_client as dc
 from launcher import lifecycle
 from launcher.cli.main import main
 from launcher.runs import RunDir, create_run_dir
@@ -154,3 +155,30 @@ def test_down_refuses_a_pid_that_is_not_the_runs(tmp_path: Path, sleepers: list[
     report = lifecycle.down_run(tmp_path, "cartpole-ppo-reuse-0006", grace_s=1)
     assert report.pids == [] and not report.launcher_signalled
     assert sleepers[0].poll() is None and os.path.exists(f"/proc/{other}")
+
+
+class _Engine:
+    """Only what view_run asks of the engine: the run's containers."""
+
+    def __init__(self, snaps: list[dc.ContainerSnapshot]) -> None:
+        self.snaps = snaps
+
+    def containers(self, labels: dict[str, str | None]) -> list[dc.ContainerSnapshot]:
+        return self.snaps
+
+
+def _snap(role: str, status: str, code: int | None, group: str = "") -> dc.ContainerSnapshot:
+    return dc.ContainerSnapshot(os.urandom(32).hex(), f"c-{role}{group}", status, code, 0,
+                                {dc.ROLE_LABEL: role, dc.GROUP_LABEL: group})
+
+
+def test_a_detached_run_whose_master_died_is_failed_not_running(tmp_path: Path) -> None:
+    rd = make_run(tmp_path, "cartpole-ppo-dock-0007", backend="docker", state="running", detached=True)
+    engine = _Engine([_snap("master", "exited", 137), _snap("group", "restarting", None, "0")])
+    view = lifecycle.view_run(rd, engine=engine)  # type: ignore[arg-type]
+    assert view.state == "failed" and "launcher up --resume cartpole-ppo-dock-0007" in view.note
+    assert [p.name for p in view.parts] == ["master", "group-0"]
+    engine.snaps = [_snap("master", "exited", 0), _snap("group", "exited", 0, "0")]
+    assert lifecycle.view_run(rd, engine=engine).state == "ended"  # type: ignore[arg-type]
+    engine.snaps = [_snap("master", "running", None), _snap("group", "running", None, "0")]
+    assert lifecycle.view_run(rd, engine=engine).state == "running"  # type: ignore[arg-type]
