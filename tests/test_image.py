@@ -72,7 +72,8 @@ def test_build_context_is_the_allow_list_without_other_flavours_wheels(tmp_path:
     (tmp_path / "Dockerfile").write_text("FROM scratch\n")
     (tmp_path / ".dockerignore").write_text((ROOT / ".dockerignore").read_text())
     files = ["pyproject.toml", "launcher/__init__.py", "worker/__init__.py", "docker/requirements.py",
-             "docker/wheels/cpu/a.whl", "docker/wheels/gpu/b.whl", ".venv/bin/python", ".git/config",
+             "docker/wheels/cpu/a.whl", "docker/wheels/cpu/.complete-0123", "docker/wheels/gpu/b.whl",
+             ".venv/bin/python", ".git/config",
              "launcher/__pycache__/x.pyc", "results/r.json", "docker/build/rootfs/etc/passwd"]
     for name in files:
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
@@ -81,7 +82,7 @@ def test_build_context_is_the_allow_list_without_other_flavours_wheels(tmp_path:
         names = set(tarfile.open(fileobj=fileobj).getnames())
     assert {"Dockerfile", "pyproject.toml", "launcher/__init__.py", "worker/__init__.py",
             "docker/requirements.py", "docker/wheels/cpu/a.whl"} <= names
-    assert not names & {"docker/wheels/gpu/b.whl", ".venv/bin/python", ".git/config",
+    assert not names & {"docker/wheels/gpu/b.whl", "docker/wheels/cpu/.complete-0123", ".venv/bin/python", ".git/config",
                         "launcher/__pycache__/x.pyc", "results/r.json", "docker/build/rootfs/etc/passwd"}
 
 
