@@ -205,6 +205,8 @@ class Master:
                 check_weights(self.arch, grads)
             except ValueError:
                 return "bad_shape"
+            if any(g.dtype != np.float32 for g in grads.values()):
+                return "bad_dtype"  # float64 gradients for float32 variables fail inside apply_gradients
         else:
             n = a.get("logp")
             if n is None or n.ndim != 1 or n.size == 0:
@@ -217,6 +219,12 @@ class Master:
             for k in ("advantages", "returns"):
                 if k not in a or a[k].shape != (size,):
                     return "bad_shape"
+            # The learner's tf.function takes float32 (a float64 segment makes the update raise and the master
+            # fail) and integer actions for discrete spaces (two int kinds could concatenate to float64).
+            floats = [obs, n, a["advantages"], a["returns"]] + ([act] if self.arch.continuous else [])
+            if any(x.dtype != np.float32 for x in floats) or \
+                    (not self.arch.continuous and act.dtype not in (np.dtype(np.int32), np.dtype(np.int64))):
+                return "bad_dtype"
             if not self.arch.continuous and (act.dtype.kind not in "iu" or act.min() < 0 or act.max() >= self.arch.n_outputs):
                 return "bad_action"
         if not all_finite(a):
@@ -229,7 +237,7 @@ class Master:
         if reason is not None:
             self.counters_net.add(f"rejected.{reason}")
             log.warning("rejected a %s from group %d: %s", msg.type.name, link.group, reason)
-            if reason in ("bad_shape", "wrong_message_for_algo", "malformed", "bad_action"):
+            if reason in ("bad_shape", "bad_dtype", "wrong_message_for_algo", "malformed", "bad_action"):
                 link.close()  # a peer that gets shapes wrong will not get them right next time
             else:
                 link.post(self.weights_frame())  # e.g. a NaN: drop it, let the group go on
@@ -288,6 +296,8 @@ class Master:
         if batch_parts:
             batch = {k: np.concatenate([p[k] for p in batch_parts]) for k in
                      ("obs", "actions", "logp", "advantages", "returns")}
+            if not self.arch.continuous:
+                batch["actions"] = batch["actions"].astype(np.int64, copy=False)  # int32 and int64 may mix
             self.losses = self.learner.update(batch)
             self._after_update()
         frame = self.weights_frame()
