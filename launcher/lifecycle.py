@@ -146,6 +146,13 @@ def _container_parts(snaps: list[dc.ContainerSnapshot]) -> list[PartView]:
     return sorted(parts, key=lambda p: (p.name != "master", len(p.name), p.name))
 
 
+def _swarm_parts(engine: dc.Engine, run_id: str) -> list[PartView]:
+    """A swarm run's services, each as its newest task (on whichever node it runs)."""
+    from launcher.backends.swarm import service_parts
+
+    return [PartView(p.name, p.state, p.ident, p.restarts, p.exit_code) for p in service_parts(engine, run_id)]
+
+
 def _process_parts(run_dir: RunDir, record: dict[str, Any]) -> list[PartView]:
     parts = []
     for name, pid in sorted((record.get("pids") or {}).items(), key=lambda kv: (kv[0] != "master", kv[0])):
@@ -164,11 +171,12 @@ def view_run(run_dir: RunDir | None, *, engine: dc.Engine | None = None, engine_
     if run_dir is not None:
         view.status = read_json(run_dir.files.status) or {}
         view.summary = read_json(run_dir.files.summary) or {}
-    if backend == "docker":
+    if backend in ("docker", "swarm"):
         if engine is None:
             view.note = f"cannot ask the Docker engine: {engine_reason}"
             return view
-        view.parts = _container_parts(engine.containers({dc.RUN_LABEL: rid}))
+        view.parts = (_container_parts(engine.containers({dc.RUN_LABEL: rid})) if backend == "docker"
+                      else _swarm_parts(engine, rid))
     elif backend == "process":
         view.parts = _process_parts(run_dir, record) if run_dir else []
     master = next((p for p in view.parts if p.name == "master"), None)
@@ -230,10 +238,13 @@ class DownReport:
     networks: int = 0
     pids: list[int] = field(default_factory=list)
     launcher_signalled: bool = False
+    services: list[str] = field(default_factory=list)  # swarm runs
+    secrets: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return {"run_id": self.run_id, "results": self.results, "containers": self.containers,
-                "networks": self.networks, "pids": self.pids, "launcher_signalled": self.launcher_signalled}
+                "networks": self.networks, "pids": self.pids, "launcher_signalled": self.launcher_signalled,
+                "services": self.services, "secrets": self.secrets}
 
 
 def _stop_launcher(record: dict[str, Any], grace_s: float) -> bool:
@@ -272,15 +283,19 @@ def down_run(root: Path, run: str, *, grace_s: float = 8.0) -> DownReport:
             report.pids = _stop_processes(rd, record, grace_s)
         if engine is not None:
             from launcher.backends.docker import teardown
+            from launcher.backends.swarm import teardown as swarm_teardown
 
             nets = len(engine.networks({dc.RUN_LABEL: rid}))
+            # Services first: the swarm would replace a task container removed under it.
+            swarm = swarm_teardown(engine, rid, grace_s=grace_s, logs_dir=rd.files.logs if rd else None)
+            report.services, report.secrets = swarm.services, swarm.secrets
             snaps = teardown(engine, rid, grace_s=grace_s, logs_dir=rd.files.logs if rd else None)
             report.containers = [s.name for s in snaps]
             report.networks = nets
-        elif record.get("backend") == "docker":
+        elif record.get("backend") in ("docker", "swarm"):
             raise LauncherError(f"cannot reach the Docker engine to stop run {rid}: {reason}",
                                 hint="start the engine (or fix DOCKER_HOST) and run `launcher down` again")
-        if rd is not None and (report.containers or report.pids) and not report.launcher_signalled:
+        if rd is not None and (report.containers or report.services or report.pids) and not report.launcher_signalled:
             if str(record.get("state")) in LIVE_STATES:
                 rd.update_record(state="interrupted", message="stopped by `launcher down`", ended=time.time())
         return report
@@ -361,14 +376,19 @@ def read_logs(root: Path, run: str, part: str | None) -> Iterator[tuple[str, byt
         BadInput: no such run, or no such part.
     """
     view = view_runs(root, run=run)[0]
-    if view.backend == "docker" and view.parts:
+    if view.backend in ("docker", "swarm") and view.parts:
         engine = dc.Engine()
         try:
             snaps = {p.name: p for p in view.parts}
             names = [part] if part else list(snaps)
             _check_part(part, list(snaps), view.run_id)
             for name in names:
-                yield name, engine.logs(snaps[name].ident)
+                if view.backend == "swarm":
+                    from launcher.backends.swarm import read_service_logs
+
+                    yield name, read_service_logs(engine, view.run_id, name)
+                else:
+                    yield name, engine.logs(snaps[name].ident)
         finally:
             engine.close()
         return
@@ -384,6 +404,16 @@ def follow_logs(root: Path, run: str, part: str | None, *, poll_s: float = 0.5) 
     """Output of ``part`` (None: the master) as it is written, until the run stops (like ``tail -f``)."""
     part = part or "master"
     view = view_runs(root, run=run)[0]
+    if view.backend == "swarm" and view.parts:
+        from launcher.backends.swarm import follow_service_logs
+
+        _check_part(part, [p.name for p in view.parts], view.run_id)
+        engine = dc.Engine()
+        try:
+            yield from follow_service_logs(engine, view.run_id, part, poll_s=max(poll_s, 1.0))
+        finally:
+            engine.close()
+        return
     if view.backend == "docker" and view.parts:
         snaps = {p.name: p for p in view.parts}
         _check_part(part, list(snaps), view.run_id)

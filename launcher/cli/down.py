@@ -34,10 +34,14 @@ def _line(r: DownReport) -> str:
     what = []
     if r.launcher_signalled:
         what.append("stopped its launcher")
+    if r.services:
+        what.append(f"removed {len(r.services)} service(s)")
     if r.containers:
         what.append(f"removed {len(r.containers)} container(s)")
     if r.networks:
         what.append(f"{r.networks} network(s)")
+    if r.secrets:
+        what.append(f"{r.secrets} secret(s)")
     if r.pids:
         what.append(f"stopped pid(s) {', '.join(map(str, r.pids))}")
     return f"{r.run_id}: {', '.join(what) or 'nothing was running'}" + (f"; results kept in {r.results}" if r.results else "")
