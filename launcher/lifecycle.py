@@ -283,12 +283,17 @@ def down_run(root: Path, run: str, *, grace_s: float = 8.0) -> DownReport:
             report.pids = _stop_processes(rd, record, grace_s)
         if engine is not None:
             from launcher.backends.docker import teardown
+            from launcher.backends.swarm import service_parts
             from launcher.backends.swarm import teardown as swarm_teardown
 
             nets = len(engine.networks({dc.RUN_LABEL: rid}))
-            # Services first: the swarm would replace a task container removed under it.
-            swarm = swarm_teardown(engine, rid, grace_s=grace_s, logs_dir=rd.files.logs if rd else None)
-            report.services, report.secrets = swarm.services, swarm.secrets
+            # Services first: the swarm would replace a task container removed under it. Only for a swarm
+            # run: a Docker run's containers are nobody's tasks, and on an engine that is a swarm manager the
+            # swarm teardown would wait for them (20 s) and then fail removing their network under them.
+            backend = record.get("backend")
+            if backend == "swarm" or (backend != "docker" and service_parts(engine, rid)):
+                swarm = swarm_teardown(engine, rid, grace_s=grace_s, logs_dir=rd.files.logs if rd else None)
+                report.services, report.secrets = swarm.services, swarm.secrets
             snaps = teardown(engine, rid, grace_s=grace_s, logs_dir=rd.files.logs if rd else None)
             report.containers = [s.name for s in snaps]
             report.networks = nets

@@ -182,3 +182,23 @@ def test_a_detached_run_whose_master_died_is_failed_not_running(tmp_path: Path) 
     assert lifecycle.view_run(rd, engine=engine).state == "ended"  # type: ignore[arg-type]
     engine.snaps = [_snap("master", "running", None), _snap("group", "running", None, "0")]
     assert lifecycle.view_run(rd, engine=engine).state == "running"  # type: ignore[arg-type]
+
+
+def test_down_of_a_docker_run_never_goes_through_the_swarm_teardown(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On an engine that is also a swarm manager, the swarm teardown would wait for a Docker run's containers
+    (no service's tasks) and remove their network under them."""
+    import launcher.backends.docker as docker_backend
+    import launcher.backends.swarm as swarm_backend
+
+    rd = make_run(tmp_path, "cartpole-ppo-dock-0008", backend="docker", state="running", detached=True)
+    engine = _Engine([_snap("master", "running", None)])
+    engine.networks = lambda labels: []  # type: ignore[attr-defined]
+    engine.close = lambda: None  # type: ignore[attr-defined]
+    monkeypatch.setattr(lifecycle, "_docker_engine", lambda: (engine, ""))
+    monkeypatch.setattr(swarm_backend, "teardown", lambda *a, **k: pytest.fail("swarm teardown for a docker run"))
+    monkeypatch.setattr(swarm_backend, "service_parts", lambda *a, **k: pytest.fail("no need to ask the swarm"))
+    removed: list[str] = []
+    monkeypatch.setattr(docker_backend, "teardown", lambda eng, rid, **k: removed.append(rid) or engine.snaps)
+    report = lifecycle.down_run(tmp_path, rd.run_id, grace_s=1)
+    assert removed == [rd.run_id] and report.containers == ["c-master"] and report.services == []
+    assert rd.read_record()["state"] == "interrupted"
