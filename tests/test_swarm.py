@@ -28,7 +28,7 @@ from launcher.backends.base import PreparedRun, ProcState
 from launcher.backends.docker import MASTER_PORT, group_name, master_name, network_name
 from launcher.config import RunConfig
 from launcher.docker_client import Engine
-from launcher.errors import BadInput, MissingDependency, NoResources
+from launcher.errors import BadInput, MissingDependency, NoResources, RunFailed
 from launcher.nvml import GpuInfo
 from launcher.placement import PlanRequest, cpu_plan, make_plan
 from launcher.runs import create_run_dir, new_secret
@@ -179,6 +179,10 @@ def test_start_problems_name_the_missing_image_and_the_missing_resources() -> No
     err = sw.start_problem("svc", pending, 100.0, 9.0, "img")
     assert isinstance(err, NoResources) and "insufficient resources" in err.message
     assert sw.start_problem("svc", [task("running")], 100.0, 0.0, "img") is None
+    no_path = [task("rejected", err='invalid mount config for type "bind": bind source path does not exist: /r/x')]
+    err = sw.start_problem("svc", no_path, 1.0, 0.0, "img")
+    assert isinstance(err, MissingDependency) and "same path" in (err.hint or "")
+    assert isinstance(sw.start_problem("svc", [task("rejected", err="other")], 1.0, 0.0, "img"), RunFailed)
 
 
 def test_snapshots_read_generic_resources_and_timestamps() -> None:

@@ -39,11 +39,12 @@ from typing import Any, Callable
 from launcher import docker_client as dc
 from launcher.backends.base import Backend, BackendStatus, PreparedRun, ProcState, ProcStatus
 from launcher.backends.docker import MASTER_PORT, _give_to, group_name, labels, master_name, network_name
-from launcher.errors import BadInput, LauncherError, MissingDependency, NoResources
+from launcher.errors import BadInput, LauncherError, MissingDependency, NoResources, RunFailed
 from launcher.placement import Plan, ProcessShare
 from launcher.runs import owner_uid_gid
-from launcher.swarm_client import (ENDED, GPU_RESOURCE, PRE_RUNNING, SECRET_FILE, STOP_GRACE_S, MountSpec, NodeInfo,
-                                   ServiceSpec, SwarmEngine, TaskInfo, connect_swarm, latest, parse_timestamp)
+from launcher.swarm_client import (ENDED, GPU_RESOURCE, PRE_RUNNING, RESTART_DELAY_S, SECRET_FILE, STOP_GRACE_S,
+                                   MountSpec, NodeInfo, ServiceSpec, SwarmEngine, TaskInfo, connect_swarm, latest,
+                                   parse_timestamp)
 from worker.spec import SECRET_FILE_ENV, SPEC_ENV, RunSpec
 
 log = logging.getLogger(__name__)
@@ -108,9 +109,14 @@ def start_problem(name: str, tasks: list[TaskInfo], now: float, first_seen: floa
             f"service {name}: a node has no image {image} ({t.err})",
             hint="every node needs the image: `launcher build --push REGISTRY` and `launcher up --image "
                  "REGISTRY/...`, or `docker save IMAGE | ssh NODE docker load` (docs/scaling-out.md)")
+    if t.state == "rejected" and "bind source path does not exist" in t.err:
+        return MissingDependency(
+            f"service {name}: the results directory is not on the node the swarm chose ({t.err})",
+            hint="a launcher.storage=true node must have the results root at the same path (shared storage, "
+                 "docs/scaling-out.md); or use --swarm-master local")
     if t.state == "rejected":
-        return LauncherError(f"service {name}: the swarm rejected its task: {t.err or 'no reason given'}",
-                             hint="`docker service ps --no-trunc " + name + "` shows every attempt")
+        return RunFailed(f"service {name}: the swarm rejected its task: {t.err or 'no reason given'}",
+                         hint=f"`docker service ps --no-trunc {name}` shows every attempt")
     if t.state == "pending" and t.err and now - first_seen > PENDING_LIMIT_S:
         return NoResources(
             f"service {name}: no node can run it after {now - first_seen:.0f} s ({t.err})",
@@ -490,6 +496,7 @@ def follow_service_logs(engine: dc.Engine, run_id: str, part: str, *, poll_s: fl
         return
     since: str | None = None
     seen: set[bytes] = set()
+    ended_at: float | None = None
     while True:
         fresh = []
         for line in swarm.service_logs(name, since=since, timestamps=True).splitlines(keepends=True):
@@ -506,8 +513,14 @@ def follow_service_logs(engine: dc.Engine, run_id: str, part: str, *, poll_s: fl
         services = swarm.services({dc.RUN_LABEL: run_id})
         sid = next((s["ID"] for s in services if s["Spec"]["Name"] == name), None)
         t = latest(swarm.tasks([sid])[sid]) if sid else None
-        if t is None or t.state in ENDED and t.state != "failed":
-            return
+        if t is None:
+            return  # the service is gone
+        if t.state in ENDED:  # over, unless the swarm starts another task after its restart delay
+            ended_at = ended_at or time.monotonic()
+            if time.monotonic() - ended_at > 3 * RESTART_DELAY_S + poll_s:
+                return
+        else:
+            ended_at = None
         time.sleep(poll_s)
 
 
