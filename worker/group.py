@@ -115,7 +115,9 @@ class WorkerGroup:
                                  f"{self.reconnect_deadline_s:.0f} s (last error: {err})")
             log.info("group %d: master not reachable (%s); retrying in %.1f s", self.index, err, delay)
             self._stop.wait(delay * (0.5 + random.random()))
-            delay = min(delay * 2, 5.0)
+            # While the run starts (never connected yet) the master is seconds away: poll every second at
+            # most. After losing an established master, back off further to 5 s.
+            delay = min(delay * 2, 1.0 if self.connects == 0 else 5.0)
         raise MasterGone("stopping")
 
     def _heartbeats(self, conn: Connection, done: threading.Event) -> None:

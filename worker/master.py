@@ -468,7 +468,8 @@ class Master:
             "max_steps": self.spec.max_steps, "mean_return": mean, "best_mean_return": self.best_mean,
             "episodes_in_window": len(self.recent), "env_steps": self.c.env_steps, "updates": self.c.updates,
             "episodes": self.c.episodes, "wall_s": round(time.time() - self.started, 2),
-            "checkpoint": self.last_ckpt[2] if self.last_ckpt else None,
+            # Relative to the results directory: the same file seen from the host or a container.
+            "checkpoint": os.path.relpath(self.last_ckpt[2], self.files.root) if self.last_ckpt else None,
             "network": self.counters_net.snapshot(), "algo": self.spec.algo, "env_id": self.spec.env_id,
             "workers": self.spec.total_workers,
         }

@@ -100,6 +100,9 @@ def run(args: argparse.Namespace) -> int:
     s = result.summary
     if cfg.json:
         sys.stdout.write(json.dumps(doc, indent=2, default=str) + "\n")
+    elif cfg.detach:
+        sys.stdout.write(f"{result.state.value}: {result.message}\n  run         {result.run_id}\n"
+                         f"  results     {results_dir}\n")
     else:
         mean = s.get("mean_return")
         sys.stdout.write(
