@@ -279,6 +279,11 @@ class SwarmEngine:
     def secrets(self, flt: Mapping[str, str | None]) -> list[tuple[str, str]]:
         return [(str(s.id), str(s.name)) for s in self.client.secrets.list(filters={"label": dc._label_filters(flt)})]
 
+    def overlay_networks(self, flt: Mapping[str, str | None]) -> list[tuple[str, str]]:
+        """(id, name) of every overlay network carrying the labels (a run's bridge network is not one)."""
+        nets = self.client.networks.list(filters={"label": dc._label_filters(flt), "driver": "overlay"})
+        return [(str(n.id), str(n.name)) for n in nets]
+
     def remove_secret(self, secret_id: str) -> None:
         from docker.errors import NotFound
 

@@ -470,3 +470,19 @@ def test_gpu_services_need_nodes_that_advertise_gpus(launcher_image: str, swarm:
             backend.wait_started()
     finally:
         backend.stop(grace_s=1)
+
+
+@pytest.mark.docker
+def test_swarm_teardown_leaves_a_docker_run_alone(swarm: SwarmEngine, swarm_runs_under: Path) -> None:
+    """On an engine that is a swarm manager, `down` of a Docker run may reach the swarm teardown first: with no
+    service of that run it must return at once and leave the run's bridge network to the Docker teardown."""
+    rid = "test-docker-run"
+    labels = {dc.RUN_LABEL: rid, dc.ROLE_LABEL: "network", dc.RESULTS_LABEL: str(swarm_runs_under / rid)}
+    nid = swarm.engine.create_network(network_name(rid), labels)
+    try:
+        t0 = time.monotonic()
+        down = sw.teardown(swarm.engine, rid, grace_s=1)
+        assert (down.services, down.networks, down.secrets) == ([], 0, 0) and time.monotonic() - t0 < 5
+        assert swarm.engine.networks({dc.RUN_LABEL: rid}), "a bridge network is not the swarm's to remove"
+    finally:
+        swarm.engine.remove_network(nid)

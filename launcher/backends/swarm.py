@@ -605,6 +605,14 @@ def teardown(engine: dc.Engine, run_id: str | None, *, grace_s: float = STOP_GRA
     if user is not None:
         flt[dc.USER_LABEL] = user
     services = swarm.services(flt)
+    if not services:  # a Docker run's containers and bridge network are not the swarm's to remove
+        for sec_id, _ in swarm.secrets(flt):
+            swarm.remove_secret(sec_id)
+            down.secrets += 1
+        for nid, _ in swarm.overlay_networks(flt):
+            swarm.remove_network(nid)
+            down.networks += 1
+        return down
     ids = [s["ID"] for s in services]
     here = swarm.local_node()
     early: dict[str, bytes] = {}
@@ -650,7 +658,7 @@ def teardown(engine: dc.Engine, run_id: str | None, *, grace_s: float = STOP_GRA
     for sec_id, _ in swarm.secrets(flt):
         swarm.remove_secret(sec_id)
         down.secrets += 1
-    for nid, _, _ in engine.networks(flt):
+    for nid, _ in swarm.overlay_networks(flt):
         swarm.remove_network(nid)
         down.networks += 1
     for vol in copied:
