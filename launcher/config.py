@@ -485,6 +485,12 @@ def validate(cfg: RunConfig) -> list[str]:
         problems.append(f"--restart-budget must be >= 0, got {cfg.restart_budget}")
     if not 0 <= cfg.max_utilization <= 100:
         problems.append(f"--max-utilization must be a percentage in 0..100, got {cfg.max_utilization}")
+    if cfg.image is not None:
+        from launcher.image import valid_reference
+
+        if not valid_reference(cfg.image):
+            problems.append(f"--image {cfg.image!r} is not a valid image reference "
+                            f"(a lower-case name and an optional tag, e.g. launcher:0.1.0-cpu)")
     problems.extend(_check_env(cfg.env_id))
     problems.extend(_check_results(cfg.results))
     try:

@@ -71,6 +71,11 @@ class ImageBuildFailed(LauncherError):
     exit_code = ExitCode.INTERNAL
 
 
+def valid_reference(name: str) -> bool:
+    """Whether ``name`` is a well-formed image reference (``[registry/]path[:tag]``, lower-case path)."""
+    return bool(_REFERENCE.match(name))
+
+
 def default_tag(flavour: Flavour = Flavour.CPU) -> str:
     """The tag ``launcher build`` and ``launcher up`` use unless told otherwise: ``launcher:0.1.0-cpu``."""
     return f"{REPOSITORY}:{__version__}-{flavour.value}"
