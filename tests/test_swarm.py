@@ -413,7 +413,15 @@ def test_detached_run_with_results_in_a_volume_then_down(launcher_image: str, sw
     assert st["state"] == "running" and st["live"] and all(p["state"] == "running" for p in st["parts"])
     assert not (run / "summary.json").exists(), "results are in the volume while the run lives"
 
+    follow = subprocess.Popen(launcher_cmd("logs", run.name, "--follow", *common), cwd=ROOT, env=child_env(),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     down = run_launcher("down", run.name, *common, timeout=120)
+    try:
+        followed, _ = follow.communicate(timeout=30)
+    finally:
+        follow.kill()
+    assert follow.returncode == 0 and "listening on" in followed and "received SIGTERM" in followed, \
+        "logs --follow prints the master's output to its end, then returns"
     assert down.returncode == 0, down.stderr
     assert "removed 3 service(s), 1 network(s), 1 secret(s)" in down.stdout, down.stdout
     assert _ours(swarm, root) == []

@@ -304,6 +304,10 @@ class SwarmBackend(Backend):
         if short:
             problems.append((NoResources, short, "advertise each node's GPUs as NVIDIA-GPU generic resources "
                              "(docs/scaling-out.md), use fewer groups (--groups), or --gpus none"))
+        if run.config.resume and self.placement is not None and self.placement.results == "volume":
+            problems.append((BadInput, f"--resume {run.config.resume} with --swarm-master {self.master_choice}: the "
+                             "master would not see the run's checkpoints from a fresh volume",
+                             "resume with --swarm-master local or storage"))
         rid = {dc.RUN_LABEL: run.run_id}
         left = ([s["Spec"]["Name"] for s in swarm.services(rid)] + [n for _, n, _ in swarm.engine.networks(rid)]
                 + [n for _, n in swarm.secrets(rid)])
