@@ -149,13 +149,16 @@ def _ensure_dir(directory: Path) -> None:
     try:
         directory.mkdir(parents=True, exist_ok=True)
         os.chmod(directory, 0o1777)  # shared by every user of the machine, like /tmp
-    except PermissionError as exc:
+    except FileExistsError:
+        if directory.is_dir():  # another launcher made it a moment ago
+            return
+        raise BadInput(f"the GPU lock directory {directory} exists and is not a directory",
+                       hint=f"point --lock-dir or {LOCK_DIR_ENV} at a directory") from None
+    except OSError as exc:  # no permission, a file where a parent should be, a read-only file system
         raise BadInput(
             f"cannot create the GPU lock directory {directory}: {exc.strerror}",
             hint=f"set {LOCK_DIR_ENV} to a directory every user of this machine can write (mode 1777)",
         ) from exc
-    except FileExistsError:
-        pass
 
 
 def _open_lock_file(path: Path) -> tuple[int, bool]:
