@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import shutil
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, Callable
@@ -105,18 +106,42 @@ def prepare(cfg: RunConfig, stack: ExitStack) -> tuple[PreparedRun, str]:
     plan, reservation = make_plan(cfg, run_id)
     if reservation is not None:
         stack.callback(reservation.release)
+    preflight(backend_name, plan)
+    created = run_dir is None
     if run_dir is None:
         run_dir = create_run_dir(cfg.results, run_id)
     spec = build_spec(cfg, plan, run_id, run_dir.path)
     files = run_dir.files
-    atomic_write_json(files.config, {"schema": "launcher.config/v1", **cfg.to_dict(), "backend_chosen": backend_name,
-                                     "backend_reason": why})
-    atomic_write_json(files.plan, {"schema": "launcher.plan/v1", **plan.to_dict()})
-    atomic_write_text(files.spec, spec.to_json() + "\n")
-    (files.logs).mkdir(exist_ok=True)
-    run_dir.update_record(run_id=run_id, env_id=cfg.env_id, algo=cfg.algo, workers=cfg.workers,
-                          backend=backend_name, resumed=bool(cfg.resume), results=str(run_dir.path))
+    try:
+        atomic_write_json(files.config, {"schema": "launcher.config/v1", **cfg.to_dict(),
+                                         "backend_chosen": backend_name, "backend_reason": why})
+        atomic_write_json(files.plan, {"schema": "launcher.plan/v1", **plan.to_dict()})
+        atomic_write_text(files.spec, spec.to_json() + "\n")
+        (files.logs).mkdir(exist_ok=True)
+        run_dir.update_record(run_id=run_id, env_id=cfg.env_id, algo=cfg.algo, workers=cfg.workers,
+                              backend=backend_name, resumed=bool(cfg.resume), results=str(run_dir.path))
+    except OSError as exc:  # a full or failing file system: say so, and leave no half-made run behind
+        if created:
+            shutil.rmtree(run_dir.path, ignore_errors=True)
+        raise BadInput(f"cannot write the run's files in {run_dir.path}: {exc.strerror or exc}",
+                       hint="free space on that file system, or choose another --results root") from None
     return PreparedRun(config=cfg, plan=plan, spec=spec, run_dir=run_dir, secret=new_secret()), why
+
+
+def preflight(backend_name: str, plan: placement.Plan) -> None:
+    """What the backend needs that can be checked before anything is written: for Docker, an engine that
+    answers and, for a plan on GPUs, its NVIDIA runtime (like ``docker info``). Raises MissingDependency,
+    so a run that could never start leaves no run directory behind."""
+    if backend_name != "docker":
+        return
+    from launcher.backends.docker import check_gpu_runtime
+    from launcher.docker_client import Engine
+
+    engine = Engine()
+    try:
+        check_gpu_runtime(plan, engine.runtimes())
+    finally:
+        engine.close()
 
 
 def resume_config(cfg_flags: dict[str, Any], results: Path, run: str) -> RunConfig:
