@@ -28,10 +28,14 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Callable, Iterable, Iterator
+from contextlib import contextmanager
+from typing import IO, TYPE_CHECKING, Callable, Iterable, Iterator
 
 from launcher import __version__
 from launcher.errors import BadInput, ExitCode, LauncherError, MissingDependency
+
+if TYPE_CHECKING:
+    from docker import DockerClient
 
 log = logging.getLogger(__name__)
 
@@ -162,7 +166,7 @@ class BuildResult:
     seconds: float
 
 
-def connect(timeout_s: int = 60) -> "docker.DockerClient":  # type: ignore[name-defined]  # noqa: F821
+def connect(timeout_s: int = 60) -> "DockerClient":
     """A Docker client that has answered a ping (like ``docker version``).
 
     Raises:
@@ -184,7 +188,7 @@ def connect(timeout_s: int = 60) -> "docker.DockerClient":  # type: ignore[name-
     return client
 
 
-def image_exists(name: str, client: "docker.DockerClient | None" = None) -> bool:  # type: ignore[name-defined]  # noqa: F821
+def image_exists(name: str, client: "DockerClient | None" = None) -> bool:
     """Whether the engine has an image called ``name`` (like ``docker image inspect NAME``).
 
     Raises:
@@ -203,7 +207,7 @@ def image_exists(name: str, client: "docker.DockerClient | None" = None) -> bool
 def build_image(
     options: BuildOptions,
     progress: Progress = lambda line: None,
-    client: "docker.DockerClient | None" = None,  # type: ignore[name-defined]  # noqa: F821
+    client: "DockerClient | None" = None,
 ) -> BuildResult:
     """Build the worker image (like ``docker build -t TAG .``), streaming each line to ``progress``.
 
@@ -253,7 +257,7 @@ def ensure_image(
     offline: bool,
     progress: Progress = lambda line: None,
     flavour: Flavour = Flavour.CPU,
-    client: "docker.DockerClient | None" = None,  # type: ignore[name-defined]  # noqa: F821
+    client: "DockerClient | None" = None,
     context: Path | None = None,
 ) -> str:
     """Return ``name`` once the engine has it, building it first when it is missing (and saying so).
@@ -280,7 +284,7 @@ def push_image(
     tag: str,
     registry: str,
     progress: Progress = lambda line: None,
-    client: "docker.DockerClient | None" = None,  # type: ignore[name-defined]  # noqa: F821
+    client: "DockerClient | None" = None,
 ) -> str:
     """Tag ``tag`` as ``REGISTRY/tag`` and push it (like ``docker tag`` + ``docker push``).
 
@@ -324,7 +328,7 @@ def push_image(
 def prepare_offline(
     options: BuildOptions,
     progress: Progress = lambda line: None,
-    client: "docker.DockerClient | None" = None,  # type: ignore[name-defined]  # noqa: F821
+    client: "DockerClient | None" = None,
 ) -> None:
     """Make the base image (debootstrap, needs root or sudo) and the wheel directory for ``options``.
 
@@ -359,31 +363,24 @@ def prepare_offline(
                 "or copy a docker/wheels/ directory from a machine that has one")
 
 
-class build_context:  # noqa: N801 - used as a context manager, reads like one
-    """The build context as a tar file: the Dockerfile's allow-list (.dockerignore), minus the wheel
-    directories of the other flavour (a CPU build must not upload gigabytes of CUDA wheels)."""
+@contextmanager
+def build_context(options: BuildOptions) -> Iterator[IO[bytes]]:
+    """The build context as an uncompressed tar file (what ``docker build`` uploads).
 
-    def __init__(self, options: BuildOptions) -> None:
-        self.options = options
-        self._file: IO[bytes] | None = None
+    It holds what .dockerignore's allow-list lets through, minus the wheel directories of the other
+    flavour: a CPU build must not upload gigabytes of CUDA wheels.
+    """
+    from docker.utils.build import exclude_paths
 
-    def __enter__(self) -> IO[bytes]:
-        from docker.utils.build import exclude_paths
-
-        root = Path(self.options.context)
-        patterns = _dockerignore(root)
-        other = [f.value for f in Flavour if f is not self.options.flavour]
-        patterns += [f"docker/wheels/{name}" for name in other]
-        self._file = tempfile.TemporaryFile()
-        with tarfile.open(fileobj=self._file, mode="w") as tar:
+    root = Path(options.context)
+    patterns = _dockerignore(root)
+    patterns += [f"docker/wheels/{f.value}" for f in Flavour if f is not options.flavour]
+    with tempfile.TemporaryFile() as fileobj:
+        with tarfile.open(fileobj=fileobj, mode="w") as tar:
             for rel in sorted(exclude_paths(str(root), patterns, dockerfile="Dockerfile")):
                 tar.add(root / rel, arcname=rel, recursive=False, filter=_normalize)
-        self._file.seek(0)
-        return self._file
-
-    def __exit__(self, *exc: object) -> None:
-        if self._file is not None:
-            self._file.close()
+        fileobj.seek(0)
+        yield fileobj
 
 
 def _normalize(info: tarfile.TarInfo) -> tarfile.TarInfo:
