@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from launcher.backends.base import Backend, BackendStatus, PreparedRun, ProcState
-from launcher.errors import ExitCode
+from launcher.errors import ExitCode, LauncherError
 from worker.results import read_json
 
 log = logging.getLogger(__name__)
@@ -67,7 +67,9 @@ class StopSignal:
         self._old: dict[int, Any] = {}
 
     def install(self) -> None:
-        if threading.current_thread() is not threading.main_thread():
+        # Installed already (up() installs before planning, then hands the same one to supervise()): a second
+        # install would save our own handler as the "original" and restore() would leave it in place.
+        if self._old or threading.current_thread() is not threading.main_thread():
             return
         for sig in (signal.SIGINT, signal.SIGTERM):
             self._old[sig] = signal.signal(sig, self._handle)
@@ -94,6 +96,7 @@ def supervise(run: PreparedRun, backend: Backend, *, on_event: Event | None = No
     restarts: dict[int, int] = {}
     lost: list[int] = []
     final: RunState | None = None
+    failure: BaseException | None = None
     message = ""
     run.run_dir.update_record(state=state.value, **backend.describe())
     try:
@@ -129,8 +132,9 @@ def supervise(run: PreparedRun, backend: Backend, *, on_event: Event | None = No
                 final, message = RunState.FAILED, "every worker group died and their restart budgets are spent"
                 break
             time.sleep(poll_s)
-    except BaseException:
+    except BaseException as exc:
         final = final or RunState.FAILED
+        failure = exc
         raise
     finally:
         run.run_dir.update_record(state=RunState.STOPPING.value)
@@ -139,6 +143,10 @@ def supervise(run: PreparedRun, backend: Backend, *, on_event: Event | None = No
             backend.stop(grace_s=8.0)
         finally:
             stopper.restore()
+            if failure is not None:  # the error goes up to the CLI; the record still says how the run ended
+                code = failure.exit_code if isinstance(failure, LauncherError) else ExitCode.INTERNAL
+                run.run_dir.update_record(state=(final or RunState.FAILED).value, exit_code=int(code),
+                                          message=str(failure) or type(failure).__name__, ended=time.time())
     summary = read_json(run.run_dir.files.summary) or {}
     assert final is not None
     code = _exit_code(final, summary, cfg.until_return)
