@@ -53,6 +53,18 @@ NVIDIA_TOOLKIT_HINT = (
 )
 
 
+# The image's own unprivileged user (Dockerfile ARG UID). Containers normally run as the invoking user so
+# their files on the bind mount are that user's; a launcher run by root itself (no sudo, so no SUDO_UID to
+# act for) would make that root inside the container, so its containers run as this user instead.
+UNPRIVILEGED_UID_GID = (10001, 10001)
+
+
+def container_user() -> tuple[int, int]:
+    """uid, gid the run's containers run as: the invoking user (``SUDO_UID`` under sudo), never root."""
+    uid, gid = owner_uid_gid()
+    return UNPRIVILEGED_UID_GID if uid == 0 else (uid, gid)
+
+
 def network_name(run_id: str) -> str:
     return f"launcher-{run_id}"
 
@@ -111,12 +123,12 @@ def container_specs(run: PreparedRun, *, image: str, gpu_runtime: bool, uid_gid:
     Args:
         image: the worker image.
         gpu_runtime: whether the engine has the NVIDIA runtime; only then do containers get DeviceRequests.
-        uid_gid: who the containers run as (default: the invoking user).
+        uid_gid: who the containers run as (default: :func:`container_user`, the invoking user, never root).
         publish_port: publish the master's port on the host's 127.0.0.1 at this port (None: not published).
         engine_cpus: CPUs of the engine's host; a CPU limit above it is lowered to it (the engine refuses
             more, and a plan made on this host may meet a remote engine).
     """
-    uid, gid = uid_gid or owner_uid_gid()
+    uid, gid = uid_gid or container_user()
     user = f"{uid}:{gid}"
     cspec = container_run_spec(run.spec)
     spec_json = cspec.to_json()
@@ -253,7 +265,7 @@ class DockerBackend(Backend):
         self._check(run)
         image = self._ensure_image(run.plan)
         gpu_runtime = self.engine.has_nvidia_runtime() if self.gpu_runtime is None else self.gpu_runtime
-        uid, gid = owner_uid_gid()
+        uid, gid = container_user()
         _give_to(run.results_dir, uid, gid)
         master, groups = container_specs(run, image=image, gpu_runtime=gpu_runtime, uid_gid=(uid, gid),
                                          publish_port=self.publish_port, engine_cpus=self.engine.cpu_count())
