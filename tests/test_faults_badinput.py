@@ -17,6 +17,7 @@ import subprocess
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -195,7 +196,7 @@ def test_lock_dir_that_is_a_file(nvml_stub: NvmlStub, existing: Path, tmp_path: 
 
 
 # ---------------------------------------------------------------------------------- the real CLI, outside
-def _cli(args: list[str], cwd: Path, user: int | None = None, **env: str) -> subprocess.CompletedProcess[str]:
+def _cli(args: list[str], cwd: Path, user: int | None = None, **env: Any) -> subprocess.CompletedProcess[str]:
     argv = launcher_cmd("up", *args)
     if user is not None:
         argv = ["setpriv", f"--reuid={user}", f"--regid={user}", "--clear-groups", *argv]
@@ -285,7 +286,7 @@ def test_gpu_plan_without_nvidia_runtime(nvml_stub: NvmlStub, existing: Path, tm
                                          docker_client: object) -> None:
     nvml_stub.configure(machine(4))
     before = tree_digest(existing)
-    env = {k: v for k, v in nvml_stub.env().items() if k in ("LD_LIBRARY_PATH", "NVML_STUB_CONFIG")}
+    env: dict[str, Any] = {k: v for k, v in nvml_stub.env().items() if k in ("LD_LIBRARY_PATH", "NVML_STUB_CONFIG")}
     proc = _cli(["--backend", "docker", "--workers", "2", "--max-steps", "1000", "--results", str(existing),
                  "--lock-dir", str(nvml_stub.lock_dir)], tmp_path, **env)
     _check(proc.returncode, proc.stderr, "no NVIDIA runtime", expected=6)

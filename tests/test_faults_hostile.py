@@ -150,7 +150,7 @@ def _closed_at(s: socket.socket, within: float) -> float | None:
 
 
 def _traj(n: int, **over: np.ndarray) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-    arrays = {"obs": np.zeros((n, 4), np.float32), "actions": np.zeros(n, np.int64),
+    arrays: dict[str, np.ndarray] = {"obs": np.zeros((n, 4), np.float32), "actions": np.zeros(n, np.int64),
               "logp": np.full(n, -0.69, np.float32), "advantages": np.zeros(n, np.float32),
               "returns": np.zeros(n, np.float32), "ep_returns": np.zeros(1, np.float32),
               "ep_lengths": np.ones(1, np.int32)}

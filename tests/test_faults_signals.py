@@ -65,7 +65,7 @@ def test_process_up_signalled_at_random_moments_leaves_nothing(tmp_path: Path) -
     cycles = count(3, 20)
     window_s = 12.0  # start-up under load takes ~5-10 s: the window covers start-up and early training
     root = tmp_path / "results"
-    rows = []
+    rows: list[dict[str, Any]] = []
     for i in range(cycles):
         sig = SIGNALS[i % 2]
         # Spread over the window; the first always inside the first 0.6 s (imports, before any handler).
@@ -123,7 +123,7 @@ def test_two_docker_launchers_signalled_at_random_moments(tmp_path: Path, launch
     cycles = count(1, 6)
     root = tmp_path / "results"
     root.mkdir()
-    rows = []
+    rows: list[dict[str, Any]] = []
     try:
         for i in range(cycles):
             before = set(root.iterdir())
@@ -233,7 +233,7 @@ def test_kill_9_of_the_launcher_then_down_all(foreign_root: Path, launcher_image
     if shutil.which("setpriv") is None:
         pytest.skip("setpriv is needed to act as an ordinary user")
     root = foreign_root / "results"
-    home = {"HOME": str(foreign_root)}
+    home: dict[str, Any] = {"HOME": str(foreign_root)}
     proc = launcher_proc("up", "--backend", "docker", "--image", launcher_image, "--gpus", "none", "--workers", "2",
                          "--max-steps", "100000000", "--results", str(root), "--progress", "plain",
                          user=FAULT_UID, **home)
