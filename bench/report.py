@@ -76,9 +76,10 @@ def write_report(results: Path, doc: Path) -> None:
     out += ["## 2. Actor efficiency", ""]
     if actors:
         out += [f"Command: `{actors['command']}` (section `actors`). System: `launcher up --backend process --algo ppo` on",
-                f"CartPole-v1 for {actors['steps']} env steps; rate from the master's metrics after the first steps (PPO",
-                "update pauses included). Baseline: one process stepping the same number of envs with the same numpy",
-                "policy, no transport and no learning. Target ≥ 0.8 at 8 and 32 workers.", "",
+                f"CartPole-v1 for {actors['steps']} env steps with `--set epochs=0` (the master re-broadcasts weights",
+                "without training, so this isolates acting, transport and the PPO round barrier; learning-bound speed is",
+                "section 1); rate from the master's metrics after the first steps. Baseline: one process stepping the",
+                "same number of envs with the same numpy policy, no transport and no learning. Target ≥ 0.8 at 8 and 32 workers.", "",
                 "| workers | system env-steps/s | single process env-steps/s | ratio |", "|---|---|---|---|"]
         for r in actors["table"]:
             out.append(f"| {r['workers']} | {_f(r['system_env_steps_per_s'], 0)} | {_f(r['single_process_env_steps_per_s'], 0)} | {_f(r['ratio'])} |")

@@ -77,8 +77,10 @@ print(n * 64 * {workers} / (time.perf_counter() - t))
 
 
 def _system_rate(results: Path, workers: int, steps: int) -> float:
+    # epochs=0: the master re-broadcasts the weights without training, so this measures acting, transport
+    # and the round barrier alone (learning-bound speed is what time-to-solve measures).
     wall, code, doc = run_up(results, "--backend", "process", "--workers", str(workers), "--env", "CartPole-v1",
-                             "--algo", "ppo", "--max-steps", str(steps))
+                             "--algo", "ppo", "--max-steps", str(steps), "--set", "epochs=0")
     run = results / doc["run_id"]
     prog = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     prog = [r for r in prog if r.get("type") == "progress" and r["env_steps"] > 0]

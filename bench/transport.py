@@ -51,15 +51,17 @@ def protocol_once(weights: dict[str, np.ndarray], reps: int) -> list[float]:
     p.client_handshake(client, SECRET, run_id="bench", group=0, workers=1, deadline=time.monotonic() + 10)
     t.join()
     times = []
-    held = {k: np.empty_like(a) for k, a in weights.items()}  # the group's policy arrays
+    live = {k: np.empty_like(a) for k, a in weights.items()}  # the group's policy arrays, double-buffered
+    spare = {k: np.empty_like(a) for k, a in weights.items()}
     for v in range(reps):
         parts = p.encode_parts(MsgType.WEIGHTS, {"version": v}, weights)  # encoded once per version, as the master does
         t0 = time.perf_counter()
         sender = threading.Thread(target=server.send_parts, args=(parts,))
         sender.start()
-        msg = client.recv(reuse_buffer=True)
-        for k, a in msg.arrays.items():  # what NumpyPolicy.set_weights does: copy into its own arrays
-            np.copyto(held[k], a)
+        # What a worker group does: receive straight into the spare set, check it, swap it in.
+        msg = client.recv(reuse_buffer=True, into=lambda t, f: spare)
+        assert all(msg.arrays[k] is spare[k] for k in spare)  # names and shapes fitted; finiteness is the master's check
+        live, spare = spare, live
         times.append(time.perf_counter() - t0)
         sender.join()
     server.close()

@@ -130,3 +130,19 @@ def test_smoke_every_algorithm_and_env_kind(tmp_path, env_id: str, algo: str, wo
     obs, _ = env.reset(seed=0)
     a, logp, v = pol.act(obs[None].astype(np.float32), np.random.default_rng(0), greedy=True)
     env.step(pol.env_action(a[0]))
+
+
+def test_policy_swaps_in_received_weights_without_copying() -> None:
+    arch = Architecture(kind="mlp", obs_shape=(4,), continuous=False, n_outputs=2)
+    pol = NumpyPolicy(arch)
+    first = {k: np.full(s, 1.0, np.float32) for k, s in expected_shapes(arch).items()}
+    pol.set_weights(first, 0)
+    spare = pol.spare()
+    for arr in spare.values():
+        arr.fill(2.0)
+    assert pol.swap_in(spare, 1) is True
+    assert pol.version == 1 and all(pol.w[k] is spare[k] for k in spare)
+    assert pol.spare() is not spare and all(pol.spare()[k] is not pol.w[k] for k in spare)
+    # Arrays that are not the spare set are copied in instead.
+    other = {k: np.full(s, 3.0, np.float32) for k, s in expected_shapes(arch).items()}
+    assert pol.swap_in(other, 2) is False and all((pol.w[k] == 3.0).all() and pol.w[k] is not other[k] for k in other)

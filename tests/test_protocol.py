@@ -190,3 +190,27 @@ def test_all_finite() -> None:
     assert p.all_finite({"a": np.ones(3), "b": np.arange(3)})
     assert not p.all_finite({"a": np.array([1.0, np.nan])})
     assert not p.all_finite({"a": np.array([np.inf], np.float32)})
+
+
+def test_receive_straight_into_given_arrays_and_fall_back_when_they_do_not_fit() -> None:
+    a, b = authed_pair()
+    w = {"k": np.arange(12, dtype=np.float32).reshape(3, 4), "b": np.ones(4, np.float32)}
+    target = {"k": np.zeros((3, 4), np.float32), "b": np.zeros(5, np.float32)}  # "b" has the wrong shape
+    a.send(MsgType.WEIGHTS, {"version": 2}, w)
+    msg = b.recv(into=lambda t, f: target if t == MsgType.WEIGHTS and f["version"] == 2 else None)
+    assert msg.arrays["k"] is target["k"]
+    np.testing.assert_array_equal(target["k"], w["k"])
+    assert msg.arrays["b"] is not target["b"] and not target["b"].any()
+    np.testing.assert_array_equal(msg.arrays["b"], w["b"])
+    # A frame type the callback declines is received as usual.
+    a.send(MsgType.HEARTBEAT, {}, {"x": np.ones(2)})
+    hb = b.recv(into=lambda t, f: target if t == MsgType.WEIGHTS else None)
+    assert hb.type == MsgType.HEARTBEAT and hb.arrays["x"].sum() == 2
+
+
+def test_direct_receive_checks_the_declared_sizes() -> None:
+    a, b = authed_pair(max_frame=1 << 20)
+    a.sock.sendall(raw_frame(meta_payload(b'{"f": {}, "a": [["k", "f4", [4]]]}', b"\0" * 8)))
+    with pytest.raises(ProtocolError) as exc:
+        b.recv(into=lambda t, f: {"k": np.zeros(4, np.float32)})
+    assert exc.value.reason == "malformed"

@@ -130,15 +130,26 @@ class WorkerGroup:
     def _await(self, conn: Connection) -> Message:
         """Wait for WEIGHTS or STOP, skipping heartbeats."""
         while True:
-            msg = conn.recv(reuse_buffer=True)  # consumed (copied by set_weights) before the next recv
+            # Weights land straight in the policy's spare arrays (no copy); other frames are consumed
+            # before the next recv, so one reusable buffer serves them.
+            msg = conn.recv(reuse_buffer=True, into=self._weights_target)
             if msg.type in (MsgType.WEIGHTS, MsgType.STOP):
                 return msg
             if msg.type != MsgType.HEARTBEAT:
                 raise ProtocolError("unexpected_type", f"master sent {msg.type.name}")
 
+    def _weights_target(self, mtype: MsgType, fields: dict[str, Any]) -> dict[str, np.ndarray] | None:
+        return self.policy.spare() if mtype == MsgType.WEIGHTS else None
+
     def _take_weights(self, msg: Message) -> None:
-        # set_weights copies out of the frame buffer (its arrays are views into the connection's buffer).
-        self.policy.set_weights(msg.arrays, int(msg.fields["version"]))
+        # Shapes and names are checked before the swap; a frame that did not fit the spare arrays is copied.
+        from worker.models import check_weights
+
+        try:
+            check_weights(self.arch, msg.arrays)
+        except ValueError as exc:
+            raise ProtocolError("bad_shape", f"the master's weights do not fit this model: {exc}") from None
+        self.policy.swap_in(msg.arrays, int(msg.fields["version"]))
         self.weights = self.policy.w
 
     # --------------------------------------------------------------------------------------------- play

@@ -154,6 +154,10 @@ class Master:
         cache = self._weights_cache
         if cache is None or cache[0] != self.c.version:
             weights = get_named_weights(self.learner.model)
+            # Checked once here, at the source, rather than by every group on every broadcast.
+            if not all_finite(weights):
+                raise FloatingPointError(f"training diverged: non-finite weights after update {self.c.updates}; "
+                                         f"lower the learning rate (--set lr=...) and resume from the last checkpoint")
             cache = (self.c.version, encode_parts(MsgType.WEIGHTS, {"version": self.c.version}, weights))
             self._weights_cache = cache
         return cache[1]

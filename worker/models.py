@@ -175,6 +175,25 @@ class NumpyPolicy:
         self.arch = arch
         self.w: dict[str, np.ndarray] = {}
         self.version = -1
+        self._spare: dict[str, np.ndarray] | None = None
+
+    def spare(self) -> dict[str, np.ndarray]:
+        """Arrays (not the live weights) that the next weights may be received into; see :meth:`swap_in`."""
+        if self._spare is None:
+            self._spare = {k: np.empty(shape, np.float32) for k, shape in expected_shapes(self.arch).items()}
+        return self._spare
+
+    def swap_in(self, weights: dict[str, np.ndarray], version: int) -> bool:
+        """Make ``weights`` live without copying if they are :meth:`spare`'s arrays (the old live set
+        becomes the spare); otherwise copy them in. Returns True when no copy was made."""
+        spare = self._spare
+        if spare is not None and weights.keys() == spare.keys() and all(weights[k] is spare[k] for k in spare):
+            self._spare = self.w if set(self.w) == set(spare) else None
+            self.w = spare
+            self.version = version
+            return True
+        self.set_weights(weights, version)
+        return False
 
     def set_weights(self, weights: Mapping[str, np.ndarray], version: int) -> None:
         check_weights(self.arch, weights)

@@ -28,7 +28,7 @@ import struct
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -147,22 +147,23 @@ def parse_header(header: bytes | memoryview, max_frame_bytes: int) -> tuple[MsgT
     return t, length
 
 
-def decode_payload(msg_type: MsgType, payload: memoryview) -> Message:
-    """Decode a payload into fields and arrays (arrays are read-only views into ``payload``)."""
-    total = len(payload)
-    (meta_len,) = META_LEN.unpack_from(payload, 0)
-    if meta_len > MAX_META_BYTES or META_LEN.size + meta_len > total:
-        raise ProtocolError("malformed", f"meta length {meta_len} does not fit a payload of {total} bytes")
+Layout = list[tuple[str, np.dtype, tuple[int, ...], int, int]]  # name, dtype, shape, count, nbytes
+
+
+def parse_meta(meta_bytes: bytes, arrays_bytes: int) -> tuple[dict[str, Any], Layout]:
+    """Parse a frame's JSON meta; check its array descriptors against the ``arrays_bytes`` that follow.
+
+    Returns (fields, layout). Raises ProtocolError: bad JSON, bad descriptors, sizes that do not add up.
+    """
     try:
-        meta = json.loads(bytes(payload[META_LEN.size: META_LEN.size + meta_len]).decode("utf-8"),
-                          parse_constant=_reject_constant)
+        meta = json.loads(meta_bytes.decode("utf-8"), parse_constant=_reject_constant)
     except (UnicodeDecodeError, json.JSONDecodeError, ValueError, RecursionError) as exc:
         # RecursionError: 4 KiB of '[' nests past the parser's limit; it must not escape as a crash.
         raise ProtocolError("malformed", f"meta is not valid JSON: {exc}") from None
     if not isinstance(meta, dict) or not isinstance(meta.get("f", {}), dict) or not isinstance(meta.get("a", []), list):
         raise ProtocolError("malformed", "meta must be an object with 'f' (object) and 'a' (list)")
-    offset = META_LEN.size + meta_len
-    arrays: dict[str, np.ndarray] = {}
+    layout: Layout = []
+    left = arrays_bytes
     for desc in meta.get("a", []):
         if not (isinstance(desc, list) and len(desc) == 3 and isinstance(desc[0], str)
                 and isinstance(desc[1], str) and isinstance(desc[2], list)):
@@ -177,14 +178,32 @@ def decode_payload(msg_type: MsgType, payload: memoryview) -> Message:
         for d in shape:
             count *= d
         nbytes = count * dtype.itemsize
-        if nbytes > total - offset:
-            raise ProtocolError("malformed", f"array {name[:40]!r} needs {nbytes} bytes, {total - offset} left")
-        arr = np.frombuffer(payload, dtype=dtype, count=count, offset=offset).reshape(shape)
-        arrays[name] = arr
+        if nbytes > left:
+            raise ProtocolError("malformed", f"array {name[:40]!r} needs {nbytes} bytes, {left} left")
+        layout.append((name, dtype, tuple(shape), count, nbytes))
+        left -= nbytes
+    if left != 0:
+        raise ProtocolError("malformed", f"{left} trailing bytes after the declared arrays")
+    return meta.get("f", {}), layout
+
+
+def _check_meta_len(meta_len: int, total: int) -> None:
+    if meta_len > MAX_META_BYTES or META_LEN.size + meta_len > total:
+        raise ProtocolError("malformed", f"meta length {meta_len} does not fit a payload of {total} bytes")
+
+
+def decode_payload(msg_type: MsgType, payload: memoryview) -> Message:
+    """Decode a payload into fields and arrays (arrays are read-only views into ``payload``)."""
+    total = len(payload)
+    (meta_len,) = META_LEN.unpack_from(payload, 0)
+    _check_meta_len(meta_len, total)
+    offset = META_LEN.size + meta_len
+    fields, layout = parse_meta(bytes(payload[META_LEN.size:offset]), total - offset)
+    arrays: dict[str, np.ndarray] = {}
+    for name, dtype, shape, count, nbytes in layout:
+        arrays[name] = np.frombuffer(payload, dtype=dtype, count=count, offset=offset).reshape(shape)
         offset += nbytes
-    if offset != total:
-        raise ProtocolError("malformed", f"{total - offset} trailing bytes after the declared arrays")
-    return Message(type=msg_type, fields=meta.get("f", {}), arrays=arrays, nbytes=total)
+    return Message(type=msg_type, fields=fields, arrays=arrays, nbytes=total)
 
 
 def _reject_constant(name: str) -> Any:
@@ -234,13 +253,18 @@ class Connection:
             self.bytes_out += sum(len(p) for p in parts)
 
     # -- receiving
-    def recv(self, *, deadline: float | None = None, reuse_buffer: bool = False) -> Message:
+    def recv(self, *, deadline: float | None = None, reuse_buffer: bool = False,
+             into: Callable[[MsgType, dict[str, Any]], Mapping[str, np.ndarray] | None] | None = None) -> Message:
         """Read one whole frame. Raises ProtocolError, PeerClosed, TimeoutError.
 
         With ``reuse_buffer`` the payload lands in a buffer kept by this connection (no allocation and
         no page faults per frame: a fresh 20 MB buffer costs ~5 ms of first-touch faults); the decoded
         arrays are then only valid until the next ``recv``. For a reader that consumes each message
         before reading the next (a worker group), not for one that queues them (the master).
+
+        ``into(type, fields)`` may name arrays the payload should be received into directly (by array name;
+        used when dtype and shape match exactly): a weight broadcast lands in the group's spare weight
+        arrays with no copy at all. Those arrays are then the message's arrays.
         """
         limit = self.max_frame_bytes if self.authenticated else PREAUTH_MAX_FRAME
         if deadline is None:
@@ -248,6 +272,8 @@ class Connection:
         hv = memoryview(self._header)
         self._recv_into(hv, deadline)
         mtype, length = parse_header(hv, limit)
+        if into is not None:
+            return self._recv_direct(mtype, length, deadline, into)
         # np.empty: no zero-fill of a buffer we are about to overwrite (20 MB zeroing costs ~2 ms).
         if reuse_buffer:
             if self._rbuf is None or len(self._rbuf) < length:
@@ -259,6 +285,36 @@ class Connection:
         self.bytes_in += HEADER_SIZE + length
         self.last_recv = time.monotonic()
         return decode_payload(mtype, view)
+
+    def _recv_direct(self, mtype: MsgType, length: int, deadline: float | None,
+                     into: Callable[[MsgType, dict[str, Any]], Mapping[str, np.ndarray] | None]) -> Message:
+        head = bytearray(META_LEN.size)
+        self._recv_into(memoryview(head), deadline)
+        (meta_len,) = META_LEN.unpack(head)
+        _check_meta_len(meta_len, length)
+        meta = bytearray(meta_len)
+        self._recv_into(memoryview(meta), deadline)
+        fields, layout = parse_meta(bytes(meta), length - META_LEN.size - meta_len)
+        targets = into(mtype, fields) or {}
+        scratch_bytes = sum(nb for name, dt, shape, _, nb in layout if not _fits(targets.get(name), dt, shape))
+        scratch = memoryview(np.empty(scratch_bytes, np.uint8)).cast("B")
+        arrays: dict[str, np.ndarray] = {}
+        offset = 0
+        for name, dtype, shape, count, nbytes in layout:
+            target = targets.get(name)
+            if _fits(target, dtype, shape):
+                assert target is not None
+                if nbytes:
+                    self._recv_into(memoryview(target).cast("B"), deadline)
+                arrays[name] = target
+            else:
+                view = scratch[offset:offset + nbytes]
+                self._recv_into(view, deadline)
+                arrays[name] = np.frombuffer(view, dtype=dtype, count=count).reshape(shape)
+                offset += nbytes
+        self.bytes_in += HEADER_SIZE + length
+        self.last_recv = time.monotonic()
+        return Message(type=mtype, fields=fields, arrays=arrays, nbytes=length)
 
     def _recv_into(self, view: memoryview, deadline: float | None) -> None:
         got, n = 0, len(view)
@@ -285,6 +341,11 @@ class Connection:
         except OSError:
             pass
         self.sock.close()
+
+
+def _fits(target: np.ndarray | None, dtype: np.dtype, shape: tuple[int, ...]) -> bool:
+    return (target is not None and target.dtype == dtype and target.shape == shape
+            and target.flags.c_contiguous and target.flags.writeable)
 
 
 def _sendall_parts(sock: socket.socket, parts: Sequence[bytes | memoryview]) -> None:

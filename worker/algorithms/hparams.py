@@ -58,8 +58,10 @@ def resolve(algo: str, env_id: str, overrides: Mapping[str, Any] | None = None) 
             problems.append(f"{key} must be > 0, got {hp[key]}")
     if not 0 < hp["gamma"] <= 1:
         problems.append(f"gamma must be in (0, 1], got {hp['gamma']}")
-    if algo == "ppo" and not (hp["epochs"] >= 1 and hp["minibatches"] >= 1):
-        problems.append("epochs and minibatches must be >= 1")
+    # epochs = 0 collects without learning (weights are re-broadcast unchanged): the actor-efficiency
+    # benchmark uses it to measure acting and transport alone.
+    if algo == "ppo" and not (hp["epochs"] >= 0 and hp["minibatches"] >= 1):
+        problems.append(f"epochs must be >= 0 and minibatches >= 1, got {hp['epochs']} and {hp['minibatches']}")
     if problems:
         raise ValueError("; ".join(problems))
     return hp
