@@ -90,7 +90,7 @@ def write_report(results: Path, doc: Path) -> None:
     if transport:
         out += [f"Command: `{transport['command']}` (section `transport`). Loopback TCP. *Protocol*: an authenticated",
                 "connection, a WEIGHTS frame encoded once (as the master does per version), sent with `sendmsg`,",
-                "received into the connection's reusable buffer, decoded as views and copied into the policy's arrays.",
+                "received straight into the group's spare weight arrays (`recv_into` per array, no copy) and swapped in.",
                 "*Raw*: one preallocated buffer, 4-byte length, `sendall` / `recv_into`. *Pipe*: `multiprocessing.Pipe`",
                 "with pickle (the classic recipe). Medians. Target ≥ 0.7× raw at 20 MB.", "",
                 "| size | raw ms | protocol ms | pickling Pipe ms | protocol GB/s | protocol vs raw | protocol vs Pipe |",
