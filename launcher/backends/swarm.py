@@ -38,10 +38,10 @@ from typing import Any, Callable
 
 from launcher import docker_client as dc
 from launcher.backends.base import Backend, BackendStatus, PreparedRun, ProcState, ProcStatus
-from launcher.backends.docker import MASTER_PORT, _give_to, group_name, labels, master_name, network_name
+from launcher.backends.docker import (MASTER_PORT, _give_to, container_user, group_name, labels, master_name,
+                                      network_name)
 from launcher.errors import BadInput, LauncherError, MissingDependency, NoResources, RunFailed
 from launcher.placement import Plan, ProcessShare
-from launcher.runs import owner_uid_gid
 from launcher.swarm_client import (ENDED, GPU_RESOURCE, PRE_RUNNING, RESTART_DELAY_S, SECRET_FILE, STOP_GRACE_S,
                                    MountSpec, NodeInfo, ServiceSpec, SwarmEngine, TaskInfo, connect_swarm, latest,
                                    parse_timestamp)
@@ -328,8 +328,8 @@ class SwarmBackend(Backend):
         image = self._image(run.plan)
         self.placement = master_placement(self.master_choice, nodes, swarm.local_node())
         self._check(run, swarm, nodes, image)
-        uid, gid = owner_uid_gid()
-        _give_to(run.results_dir, uid, gid)  # the master writes there as the invoking user
+        uid, gid = container_user()  # the invoking user, never root (as the Docker backend)
+        _give_to(run.results_dir, uid, gid)  # the master writes there as that user
         cpus = [n.nano_cpus for n in nodes if n.ready and n.nano_cpus]
         master, groups = service_specs(run, image=image, placement=self.placement, uid_gid=(uid, gid),
                                        max_cpus=int(min(cpus) // 10**9) if cpus else None)
@@ -401,7 +401,7 @@ class SwarmBackend(Backend):
             return
         assert self.swarm is not None
         self._copied = True
-        uid, gid = owner_uid_gid()
+        uid, gid = container_user()
         vol = volume_name(self.run.run_id)
         if self.swarm.copy_volume(vol, self.run.results_dir, self._image(self.run.plan), f"{uid}:{gid}",
                                   self.run.run_id):
