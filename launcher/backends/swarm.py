@@ -589,6 +589,16 @@ def _volume_of(service: Mapping[str, Any]) -> str | None:
     return next((str(m["Source"]) for m in mounts if m.get("Type") == "volume"), None)
 
 
+def _remove_secrets_and_networks(swarm: Any, flt: dict[str, str | None], down: Any) -> None:
+    """Remove the run's secrets and overlay networks (after its services), counting them in ``down``."""
+    for sec_id, _ in swarm.secrets(flt):
+        swarm.remove_secret(sec_id)
+        down.secrets += 1
+    for nid, _ in swarm.overlay_networks(flt):
+        swarm.remove_network(nid)
+        down.networks += 1
+
+
 def teardown(engine: dc.Engine, run_id: str | None, *, grace_s: float = STOP_GRACE_S, logs_dir: Path | None = None,
              user: str | None = None, image: str | None = None) -> SwarmDown:
     """Stop and remove every service, secret and overlay network of ``run_id`` (None: of every run), found
@@ -610,12 +620,7 @@ def teardown(engine: dc.Engine, run_id: str | None, *, grace_s: float = STOP_GRA
         flt[dc.USER_LABEL] = user
     services = swarm.services(flt)
     if not services:  # a Docker run's containers and bridge network are not the swarm's to remove
-        for sec_id, _ in swarm.secrets(flt):
-            swarm.remove_secret(sec_id)
-            down.secrets += 1
-        for nid, _ in swarm.overlay_networks(flt):
-            swarm.remove_network(nid)
-            down.networks += 1
+        _remove_secrets_and_networks(swarm, flt, down)
         return down
     ids = [s["ID"] for s in services]
     here = swarm.local_node()
@@ -659,12 +664,7 @@ def teardown(engine: dc.Engine, run_id: str | None, *, grace_s: float = STOP_GRA
         swarm.remove_service(s["ID"])
         down.services.append(str(s["Spec"]["Name"]))
     _wait(lambda: not engine.containers(flt), 20.0)
-    for sec_id, _ in swarm.secrets(flt):
-        swarm.remove_secret(sec_id)
-        down.secrets += 1
-    for nid, _ in swarm.overlay_networks(flt):
-        swarm.remove_network(nid)
-        down.networks += 1
+    _remove_secrets_and_networks(swarm, flt, down)
     for vol in copied:
         swarm.remove_volume(vol)
     return down
