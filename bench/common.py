@@ -47,19 +47,6 @@ def pss_rss_kib(pid: int) -> tuple[int, int]:
     return pss, rss
 
 
-def children_of(pid: int) -> list[int]:
-    out = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            if ppid == pid:
-                out.append(int(entry.name))
-    return out
-
-
 def read_json(path: Path) -> Any:
     try:
         return json.loads(path.read_text())

@@ -11,9 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-from bench.common import ROOT, children_of, env, launcher, median, pss_rss_kib, read_json, run_up
+from bench.common import ROOT, env, launcher, median, pss_rss_kib, read_json, run_up
 
 
 def _baseline_solve(seed: int) -> tuple[float, int, bool]:
@@ -177,5 +175,3 @@ def launch_latency(workers: int = 32, reps: int = 3) -> dict[str, Any]:
     return {"workers": workers, "backend": "process", "seconds": times,
             "median_s": median([t for t in times if t is not None]) if any(times) else None}
 
-
-__all__ = ["time_to_solve", "actor_efficiency", "memory", "launch_latency", "np", "children_of"]

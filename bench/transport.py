@@ -5,7 +5,6 @@ classic pickling ``multiprocessing.Pipe``, measured in the same process on loopb
 from __future__ import annotations
 
 import multiprocessing as mp
-import pickle
 import socket
 import struct
 import threading
@@ -135,4 +134,3 @@ def run(reps: int = 15) -> list[dict[str, Any]]:
 if __name__ == "__main__":
     for row in run():
         print(row)
-    _ = pickle

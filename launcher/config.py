@@ -542,7 +542,3 @@ def port_free(port: int, host: str = "127.0.0.1") -> bool:
             return False
     return True
 
-
-def require(condition: bool, message: str, hint: str | None = None) -> None:
-    if not condition:
-        raise BadInput(message, hint=hint)

@@ -17,7 +17,7 @@ from launcher import placement
 from launcher.backends.base import Backend, PreparedRun
 from launcher.config import RunConfig
 from launcher.errors import BadInput, ExitCode, MissingDependency
-from launcher.runs import RunDir, create_run_dir, find_run, new_run_id, new_secret
+from launcher.runs import create_run_dir, find_run, new_run_id, new_secret
 from launcher.supervisor import RunResult, RunState, StopSignal, supervise
 from worker.results import atomic_write_json, atomic_write_text, read_json
 from worker.spec import GroupAssignment, RunSpec
@@ -195,6 +195,3 @@ def start_detached(run: PreparedRun, backend: Backend) -> RunResult:
                      f"started detached; `launcher status {run.run_id}` shows it, `launcher logs {run.run_id} "
                      f"--follow` follows the master, `launcher down {run.run_id}` stops it")
 
-
-def run_dir_of(result: RunResult, cfg: RunConfig) -> RunDir:
-    return find_run(cfg.results, result.run_id)

@@ -24,7 +24,7 @@ import numpy as np
 from worker.algorithms import hparams as hparams_mod
 from worker.algorithms.rollout import Collector, Segment
 from worker.envs import make_env
-from worker.models import Architecture, NumpyPolicy
+from worker.models import Architecture, NumpyPolicy, check_weights
 from worker.protocol import Connection, Message, MsgType, PeerClosed, ProtocolError, client_handshake
 from worker.spec import RunSpec
 
@@ -143,8 +143,6 @@ class WorkerGroup:
 
     def _take_weights(self, msg: Message) -> None:
         # Shapes and names are checked before the swap; a frame that did not fit the spare arrays is copied.
-        from worker.models import check_weights
-
         try:
             check_weights(self.arch, msg.arrays)
         except ValueError as exc:

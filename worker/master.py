@@ -502,8 +502,6 @@ class Master:
                                             "version": self.c.version, "t": time.time()})
 
     def _export(self) -> None:
-        import json
-
         d = self.files.model_dir
         d.mkdir(parents=True, exist_ok=True)
         weights = get_named_weights(self.learner.model)
@@ -516,7 +514,6 @@ class Master:
         tmpk = d / ".final_model.tmp.keras"
         self.learner.model.save(tmpk)
         os.replace(tmpk, d / "final_model.keras")
-        _ = json  # architecture.json is the numpy-side description; the .keras file is for TF users
 
 
 def install_signal_handlers(master: Master) -> None:

@@ -159,7 +159,7 @@ def master_placement(choice: str, nodes: list[NodeInfo], local_node: str) -> Pla
         names = ", ".join(n.hostname for n in storage)
         return Placement((f"node.labels.{STORAGE_LABEL}==true",), "bind", f"master on a storage node ({names})")
     if choice == "any":
-        return Placement((), "volume", f"master on any node; results in volume (copied back when it is this node)")
+        return Placement((), "volume", "master on any node; results in volume (copied back when it is this node)")
     host = next((n.hostname for n in nodes if n.id == local_node), local_node[:12])
     return Placement((f"node.id=={local_node}",), "bind", f"master on this node ({host})")
 

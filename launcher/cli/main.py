@@ -6,7 +6,7 @@ import argparse
 import importlib
 import logging
 import sys
-from typing import Sequence
+from typing import NoReturn, Sequence
 
 from launcher import __version__
 from launcher.errors import ExitCode, LauncherError
@@ -18,7 +18,7 @@ COMMANDS = ("up", "status", "logs", "down", "runs", "gpus", "plan", "build", "ev
 class _Parser(argparse.ArgumentParser):
     """argparse exits 2 on bad usage already; make its message say what to do as well."""
 
-    def error(self, message: str) -> "NoReturn":  # type: ignore[name-defined]  # noqa: F821
+    def error(self, message: str) -> NoReturn:
         self.print_usage(sys.stderr)
         sys.stderr.write(f"launcher: error: {message}\nHINT: run `{self.prog} --help` for the options\n")
         raise SystemExit(int(ExitCode.BAD_INPUT))
