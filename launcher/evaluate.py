@@ -18,6 +18,7 @@ import logging
 import math
 import statistics
 import time
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -27,7 +28,8 @@ import numpy as np
 from launcher.errors import BadInput, MissingDependency
 from launcher.runs import RunDir
 from worker.models import Architecture, NumpyPolicy, check_weights
-from worker.results import read_json
+from launcher import safefs
+from launcher.safefs import read_json_at as read_json  # never through a link a container planted (issue 14)
 
 log = logging.getLogger(__name__)
 
@@ -81,8 +83,13 @@ def architecture_of(run_dir: RunDir) -> Architecture:
 
 
 def _npz(path: Path) -> dict[str, np.ndarray]:
-    with np.load(path) as data:
-        return {k: np.asarray(data[k], np.float32) for k in data.files}
+    # model/ is written by the master container: opened without following a link, a regular file only.
+    try:
+        with safefs.open_read(path.parent.parent, f"{path.parent.name}/{path.name}") as fh, np.load(fh) as data:
+            return {k: np.asarray(data[k], np.float32) for k in data.files}
+    except (OSError, ValueError, zipfile.BadZipFile) as exc:
+        raise BadInput(f"cannot read the weights in {path}: {exc}",
+                       hint="pick another --checkpoint (final, best, latest or a path)") from None
 
 
 def load_weights(run_dir: RunDir, checkpoint: str = "final") -> LoadedPolicy:

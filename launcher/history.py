@@ -15,8 +15,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from launcher import backends
+from launcher.procs import running
 from launcher.runs import RunDir, list_runs
-from worker.results import read_json
+from launcher import safefs
+from launcher.safefs import read_json_at
+from worker.contract import METRICS_FILE
 
 LIVE_STATES = ("preparing", "starting", "running", "stopping")
 
@@ -44,55 +48,23 @@ class RunRow:
         return asdict(self)
 
 
-def _cmdline(pid: int) -> str | None:
+def run_alive(run_dir: RunDir, record: dict[str, Any]) -> bool | None:
+    """Whether any part of the run still runs, or its launcher; None when its backend cannot be asked (no
+    Docker engine answers)."""
+    found = backends.find(run_dir.run_id, run_dir, record)
     try:
-        with open(f"/proc/{pid}/cmdline", "rb") as fh:
-            return fh.read().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return None
-
-
-def _running(pid: int, must_contain: str | None = None) -> bool:
-    """Whether ``pid`` is a live (not zombie) process whose command line contains ``must_contain``."""
-    if pid <= 0:
-        return False
-    cmd = _cmdline(pid)
-    if cmd is None or (must_contain is not None and must_contain not in cmd):
-        return False
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
-
-
-def process_run_alive(run_id: str, record: dict[str, Any]) -> bool:
-    """A process-backend run is alive while one of its children (their command lines name the run's spec,
-    so the run id) or its launcher runs."""
-    pids = [int(p) for p in (record.get("pids") or {}).values()]
-    return any(_running(p, run_id) for p in pids) or _running(int(record.get("launcher_pid") or 0))
-
-
-def docker_run_alive(run_id: str) -> bool | None:
-    """Whether a container of ``run_id`` is running; None when no Docker engine answers."""
-    try:
-        from launcher import docker_client as dc
-    except ImportError:
-        return None
-    if dc.engine_unavailable_reason() is not None:
-        return None
-    engine = dc.Engine()
-    try:
-        return any(c.status in ("running", "restarting", "created")
-                   for c in engine.containers({dc.RUN_LABEL: run_id}))
+        parts = found.parts()
+        if found.unreachable:
+            return None
     finally:
-        engine.close()
+        found.close()
+    return any(p.state.alive for p in parts) or running(int(record.get("launcher_pid") or 0), "launcher")
 
 
 def _first_start(run_dir: RunDir) -> float | None:
     try:
-        with open(run_dir.files.metrics) as fh:
-            first = fh.readline()
+        with safefs.open_read(run_dir.path, METRICS_FILE) as fh:
+            first = fh.readline(65536).decode()
         t = json.loads(first).get("t")
         return float(t) if t is not None else None
     except (OSError, ValueError, AttributeError):
@@ -102,23 +74,18 @@ def _first_start(run_dir: RunDir) -> float | None:
             return None
 
 
-def describe(run_dir: RunDir, *, docker_alive: Callable[[str], bool | None] = docker_run_alive,
+def describe(run_dir: RunDir, *, alive: Callable[[RunDir, dict[str, Any]], bool | None] = run_alive,
              now: float | None = None) -> RunRow:
-    """One run's row. ``docker_alive`` answers for Docker runs (injectable: tests have no engine)."""
+    """One run's row. ``alive`` says whether a live-looking run still runs (injectable)."""
     record = run_dir.read_record()
-    summary = read_json(run_dir.files.summary) or {}
-    status = read_json(run_dir.files.status) or {}
-    spec = read_json(run_dir.files.spec) or {}
+    summary = read_json_at(run_dir.files.summary) or {}
+    status = read_json_at(run_dir.files.status) or {}
+    spec = read_json_at(run_dir.files.spec) or {}
     recorded = record.get("state")
     state = str(recorded or "unknown")
     if state in LIVE_STATES:
-        backend = record.get("backend")
-        alive: bool | None = None  # unknown: keep the recorded state
-        if backend == "process":
-            alive = process_run_alive(run_dir.run_id, record)
-        elif backend == "docker":
-            alive = docker_alive(run_dir.run_id)
-        if alive is False:
+        still = alive(run_dir, record)
+        if still is False:
             ended_on_its_own = record.get("detached") and summary.get("outcome") in ("target_reached", "max_steps")
             state = "finished" if ended_on_its_own else "stale"
     started = _first_start(run_dir)

@@ -1,60 +1,52 @@
-"""The worker image: build it (online or with no registry at all), check it exists, push it.
-
-One place talks to the Docker engine for images. Builds go through the low-level API
-(``client.api.build(..., decode=True)``) so every build line reaches the caller's ``progress``
-callback as it happens: a cold build takes minutes and must not look hung.
+"""The worker image's recipe: its tag, its two build paths, and which path can work on this host.
 
 Two ways to build (docs/image.md has the details and measured times):
 
 * online: ``FROM python:3.11-slim-bookworm`` and packages from the index, for hosts with a registry;
-* offline: ``docker/build-base.sh`` makes ``launcher-base:bookworm`` with debootstrap and
-  ``docker/fetch-wheels.sh`` downloads the wheels on the host; the build then runs with
-  ``network_mode="none"``. Those two steps stay shell scripts run by ``subprocess``: debootstrap needs
-  root and is a command-line tool with no library, and CI and air-gapped users run the scripts alone.
+* offline: ``docker/build-base.sh`` makes ``launcher-base:bookworm`` with debootstrap (or mmdebstrap) and
+  ``docker/fetch-wheels.sh`` downloads the wheels on the host; the build then runs with no network.
+
+:func:`choose_build_path` picks one for ``--build auto`` in a few seconds, without a long failing attempt:
+online when the base image is here or its registry answers, else offline when this host can debootstrap and
+has (or can download) the wheels, else one :class:`~launcher.errors.MissingDependency` naming what is missing.
+:mod:`launcher.image_build` runs the build.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
-import io
-import logging
 import os
 import re
+import shutil
 import subprocess
 import sys
-import tarfile
-import tempfile
-import time
+import urllib.error
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
-from contextlib import contextmanager
-from typing import IO, TYPE_CHECKING, Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Callable
 
 from launcher import __version__
-from launcher.errors import BadInput, ExitCode, LauncherError, MissingDependency
+from launcher.errors import BadInput, MissingDependency
 
 if TYPE_CHECKING:
-    from docker import DockerClient
-
-log = logging.getLogger(__name__)
-
-Progress = Callable[[str], None]
-"""Receives one human-readable line (no trailing newline) per build event."""
+    from launcher.engine.client import DockerClient
 
 REPOSITORY = "launcher"
 ONLINE_BASE_IMAGE = "python:3.11-slim-bookworm"
 OFFLINE_BASE_IMAGE = "launcher-base:bookworm"
 IMAGE_LABEL = "launcher.image"
 VERSION_LABEL = "org.opencontainers.image.version"
-BUILD_READ_TIMEOUT_S = 1800  # longest silence tolerated from the engine during a build step
+BUILD_MODES = ("auto", "online", "offline")
+PROBE_TIMEOUT_S = 5.0
 
 # A Docker reference: [registry[:port]/]path[:tag][@digest]; lower-case path components.
 _REFERENCE = re.compile(
     r"^(?:[a-zA-Z0-9.-]+(?::[0-9]+)?/)?[a-z0-9]+(?:[._-]+[a-z0-9]+)*(?:/[a-z0-9]+(?:[._-]+[a-z0-9]+)*)*"
     r"(?::[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?$"
 )
-_REGISTRY = re.compile(r"^[a-zA-Z0-9.-]+(?::[0-9]+)?(?:/[a-z0-9]+(?:[._-]+[a-z0-9]+)*)*$")
+REGISTRY_RE = re.compile(r"^[a-zA-Z0-9.-]+(?::[0-9]+)?(?:/[a-z0-9]+(?:[._-]+[a-z0-9]+)*)*$")
 
 
 class Flavour(str, enum.Enum):
@@ -67,12 +59,6 @@ class Flavour(str, enum.Enum):
     def tf_package(self) -> str:
         """The pip package (its version range comes from pyproject.toml's cpu/gpu extras)."""
         return "tensorflow-cpu" if self is Flavour.CPU else "tensorflow[and-cuda]"
-
-
-class ImageBuildFailed(LauncherError):
-    """``docker build`` ran and failed; the message carries the engine's error and the last lines."""
-
-    exit_code = ExitCode.INTERNAL
 
 
 def valid_reference(name: str) -> bool:
@@ -166,292 +152,9 @@ class BuildResult:
     seconds: float
 
 
-def connect(timeout_s: int = 60) -> "DockerClient":
-    """A Docker client that has answered a ping (like ``docker version``).
-
-    Raises:
-        MissingDependency: no Docker engine answers; the message names the DOCKER_HOST value seen.
-    """
-    import docker  # imported here: `launcher --help` must not pay for it
-    from docker.errors import DockerException
-
-    try:
-        client = docker.from_env(timeout=timeout_s)
-        client.ping()
-    except DockerException as exc:
-        host = os.environ.get("DOCKER_HOST", "unset, so unix:///var/run/docker.sock")
-        raise MissingDependency(
-            f"no Docker engine answers (DOCKER_HOST={host}): {exc}",
-            hint="start the engine (`sudo systemctl start docker` or dockerd), or point DOCKER_HOST at one; "
-            "your user needs access to its socket (the docker group)",
-        ) from exc
-    return client
-
-
-def image_exists(name: str, client: "DockerClient | None" = None) -> bool:
-    """Whether the engine has an image called ``name`` (like ``docker image inspect NAME``).
-
-    Raises:
-        MissingDependency: no Docker engine answers.
-    """
-    from docker.errors import ImageNotFound
-
-    client = client or connect()
-    try:
-        client.api.inspect_image(name)
-    except ImageNotFound:
-        return False
-    return True
-
-
-def build_image(
-    options: BuildOptions,
-    progress: Progress = lambda line: None,
-    client: "DockerClient | None" = None,
-) -> BuildResult:
-    """Build the worker image (like ``docker build -t TAG .``), streaming each line to ``progress``.
-
-    Offline, first makes the base image and the wheel directory (both skipped when already there),
-    then builds with no network, so the build proves it needs none.
-
-    Raises:
-        MissingDependency: no Docker engine answers; the base image cannot be pulled (online);
-            debootstrap or the wheel download is unavailable (offline).
-        ImageBuildFailed: the Dockerfile failed; the message has the engine's error.
-    """
-    from docker.errors import APIError
-
-    client = client or connect()
-    start = time.monotonic()
-    if options.offline:
-        prepare_offline(options, progress, client)
-    progress(f"building {options.tag} from {options.base} ({options.flavour.tf_package}, "
-             f"{'offline, no network' if options.offline else 'online'})")
-    with build_context(options) as context:
-        try:
-            stream = client.api.build(
-                fileobj=context,
-                custom_context=True,
-                tag=options.tag,
-                buildargs=options.buildargs(),
-                network_mode="none" if options.offline else None,
-                nocache=options.no_cache,
-                rm=True,
-                forcerm=True,
-                decode=True,
-                timeout=BUILD_READ_TIMEOUT_S,
-            )
-            _follow(stream, options, progress)
-        except APIError as exc:
-            raise _build_error(options, str(exc.explanation or exc), []) from exc
-    info = client.api.inspect_image(options.tag)
-    result = BuildResult(options.tag, info["Id"], int(info.get("Size", 0)), time.monotonic() - start)
-    progress(f"built {result.tag} ({result.image_id[7:19]}, {result.size_bytes / 1e9:.2f} GB) "
-             f"in {result.seconds:.0f} s")
-    return result
-
-
-def ensure_image(
-    name: str,
-    *,
-    offline: bool,
-    progress: Progress = lambda line: None,
-    flavour: Flavour = Flavour.CPU,
-    client: "DockerClient | None" = None,
-    context: Path | None = None,
-) -> str:
-    """Return ``name`` once the engine has it, building it first when it is missing (and saying so).
-
-    Args:
-        name: the image reference, e.g. :func:`default_tag`.
-        offline: build with no registry and no index (see :class:`BuildOptions`).
-        progress: receives the build's lines.
-        flavour: CPU or GPU TensorFlow, for a build.
-        context: the directory with the Dockerfile (default: this source tree).
-
-    Raises:
-        MissingDependency, ImageBuildFailed: as :func:`build_image`.
-    """
-    client = client or connect()
-    if image_exists(name, client):
-        return name
-    progress(f"image {name} not found; building it {'offline' if offline else 'online'} (takes minutes)")
-    options = BuildOptions(tag=name, flavour=flavour, offline=offline, context=context or find_context())
-    return build_image(options, progress, client).tag
-
-
-def push_image(
-    tag: str,
-    registry: str,
-    progress: Progress = lambda line: None,
-    client: "DockerClient | None" = None,
-) -> str:
-    """Tag ``tag`` as ``REGISTRY/tag`` and push it (like ``docker tag`` + ``docker push``).
-
-    Args:
-        tag: a local image, e.g. ``launcher:0.1.0-cpu``.
-        registry: registry host with optional port and path, e.g. ``registry.example.com:5000/rl``.
-
-    Returns:
-        The pushed reference, e.g. ``registry.example.com:5000/rl/launcher:0.1.0-cpu``.
-
-    Raises:
-        BadInput: ``registry`` is not a registry address.
-        LauncherError: the engine refused the push (credentials, unreachable registry).
-    """
-    from docker.errors import APIError
-
-    registry = registry.rstrip("/")
-    if not _REGISTRY.match(registry):
-        raise BadInput(f"--push {registry!r} is not a registry address",
-                       hint="give HOST[:PORT][/PATH], e.g. registry.example.com:5000/rl")
-    client = client or connect()
-    repository, _, version = tag.rpartition(":") if ":" in tag.split("/")[-1] else (tag, "", "latest")
-    target = f"{registry}/{repository.split('/')[-1]}"
-    try:
-        client.api.tag(tag, target, version)
-        for event in client.api.push(target, tag=version, stream=True, decode=True):
-            if "error" in event:
-                raise LauncherError(f"push of {target}:{version} failed: {event['error']}",
-                                    hint=f"check `docker login {registry.split('/')[0]}` and that the "
-                                    "registry is reachable from this host")
-            line = " ".join(str(event[k]) for k in ("id", "status", "progress") if event.get(k))
-            if line and "progress" not in event:
-                progress(line)
-    except APIError as exc:
-        raise LauncherError(f"push of {target}:{version} failed: {exc.explanation or exc}",
-                            hint=f"check `docker login {registry.split('/')[0]}`") from exc
-    progress(f"pushed {target}:{version}")
-    return f"{target}:{version}"
-
-
-def prepare_offline(
-    options: BuildOptions,
-    progress: Progress = lambda line: None,
-    client: "DockerClient | None" = None,
-) -> None:
-    """Make the base image (debootstrap, needs root or sudo) and the wheel directory for ``options``.
-
-    Both scripts return at once when their output is already there. A base image other than
-    ``launcher-base:bookworm`` must already be on the engine: an offline build cannot pull it.
-
-    Raises:
-        MissingDependency: a script failed (no debootstrap, no root, no mirror, no index), or a custom
-            base image is missing.
-    """
-    scripts = Path(options.context) / "docker"
-    env = {
-        **os.environ,
-        "BASE_IMAGE": options.base,
-        "FLAVOUR": options.flavour.value,
-        "TF_PACKAGE": options.flavour.tf_package,
-        "WHEELS": str(Path(options.context) / options.wheels_dir),
-    }
-    if options.base == OFFLINE_BASE_IMAGE:
-        _run_script(["bash", str(scripts / "build-base.sh")], env, progress,
-                    hint="run `sudo bash docker/build-base.sh` once (debootstrap needs root), "
-                    "or build online with a registry (--online)")
-    elif not image_exists(options.base, client):
-        raise MissingDependency(
-            f"base image {options.base} is not on this Docker engine, and an offline build cannot pull it",
-            hint=f"`docker load` it first, or leave out --base-image to use {OFFLINE_BASE_IMAGE}",
-        )
-    # This interpreter's pip downloads the wheels (the host's index settings apply to it).
-    env.setdefault("PYTHON", sys.executable)
-    _run_script(["bash", str(scripts / "fetch-wheels.sh")], env, progress,
-                hint="the host needs a package index it can reach (pip download); "
-                "or copy a docker/wheels/ directory from a machine that has one")
-
-
-@contextmanager
-def build_context(options: BuildOptions) -> Iterator[IO[bytes]]:
-    """The build context as an uncompressed tar file (what ``docker build`` uploads).
-
-    It holds what .dockerignore's allow-list lets through, minus the wheel directories of the other
-    flavour: a CPU build must not upload gigabytes of CUDA wheels.
-    """
-    from docker.utils.build import exclude_paths
-
-    root = Path(options.context)
-    patterns = _dockerignore(root)
-    patterns += [f"docker/wheels/{f.value}" for f in Flavour if f is not options.flavour]
-    with tempfile.TemporaryFile() as fileobj:
-        with tarfile.open(fileobj=fileobj, mode="w") as tar:
-            for rel in sorted(exclude_paths(str(root), patterns, dockerfile="Dockerfile")):
-                tar.add(root / rel, arcname=rel, recursive=False, filter=_normalize)
-        fileobj.seek(0)
-        yield fileobj
-
-
-def _normalize(info: tarfile.TarInfo) -> tarfile.TarInfo:
-    # Who checked the files out must not change the layer cache key (the legacy builder hashes headers).
-    info.uid = info.gid = 0
-    info.uname = info.gname = ""
-    return info
-
-
-def _dockerignore(root: Path) -> list[str]:
-    path = root / ".dockerignore"
-    if not path.is_file():
-        return []
-    lines = (line.strip() for line in path.read_text().splitlines())
-    return [line for line in lines if line and not line.startswith("#")]
-
-
-def _follow(stream: Iterable[dict], options: BuildOptions, progress: Progress) -> None:
-    """Pass the engine's build events on as lines; raise on its error event."""
-    tail: list[str] = []
-    for event in stream:
-        if "error" in event:
-            raise _build_error(options, str(event["error"]).strip(), tail)
-        text = event.get("stream") or event.get("status")
-        if not text:
-            continue
-        for line in str(text).splitlines():
-            line = line.rstrip()
-            if line:
-                tail = (tail + [line])[-20:]
-                progress(line)
-
-
-def _build_error(options: BuildOptions, error: str, tail: list[str]) -> LauncherError:
-    pull_failure = any(s in error for s in ("pull access denied", "manifest unknown", "no such host",
-                                            "dial tcp", "TLS handshake", "connection refused"))
-    if pull_failure or (f"{options.base}" in error and "not found" in error):
-        return MissingDependency(
-            f"base image {options.base} is not available and cannot be pulled: {error}",
-            hint="build with no registry: `launcher build --offline` (debootstraps launcher-base:bookworm)",
-        )
-    detail = "\n".join(f"    {line}" for line in tail[-10:])
-    return ImageBuildFailed(
-        f"building {options.tag} failed: {error}" + (f"\n  last build output:\n{detail}" if detail else ""),
-        hint="rerun with -v for the full log; `launcher build --no-cache` rules out a stale layer",
-    )
-
-
-def _run_script(argv: list[str], env: dict[str, str], progress: Progress, *, hint: str) -> None:
-    name = Path(argv[-1]).name
-    progress(f"running {name}")
-    try:
-        proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, bufsize=1)
-    except OSError as exc:
-        raise MissingDependency(f"cannot run {name}: {exc}", hint=hint) from exc
-    tail: list[str] = []
-    assert proc.stdout is not None
-    for line in _lines(proc.stdout):
-        tail = (tail + [line])[-10:]
-        progress(line)
-    if proc.wait() != 0:
-        raise MissingDependency(f"{name} failed with exit status {proc.returncode}: "
-                                + (tail[-1] if tail else "no output"), hint=hint)
-
-
-def _lines(stream: io.TextIOBase | IO[str]) -> Iterator[str]:
-    for line in stream:
-        line = line.rstrip()
-        if line:
-            yield line
+def flavour_for(gpu: bool) -> Flavour:
+    """The flavour a plan needs: GPU TensorFlow when any process of it is on a GPU."""
+    return Flavour.GPU if gpu else Flavour.CPU
 
 
 def _git_revision(root: Path) -> str:
@@ -462,3 +165,105 @@ def _git_revision(root: Path) -> str:
     except (OSError, subprocess.SubprocessError):
         return "unknown"
     return out.stdout.strip() or "unknown"
+
+
+# ---------------------------------------------------------------------------------- which path can work
+@dataclass(frozen=True)
+class BuildPath:
+    """The build path chosen for this host and why (one progress line)."""
+
+    offline: bool
+    why: str
+
+
+def wheels_ready(options: BuildOptions) -> bool:
+    """Whether fetch-wheels.sh finished for this flavour before (its stamp file is there)."""
+    d = Path(options.context) / options.wheels_dir
+    return d.is_dir() and any(d.glob(".complete-*"))
+
+
+def index_problem(timeout_s: float = PROBE_TIMEOUT_S) -> str | None:
+    """None when the package index pip would use answers (any HTTP status), else why not."""
+    url = os.environ.get("PIP_INDEX_URL")
+    if not url:
+        try:
+            out = subprocess.run([sys.executable, "-m", "pip", "config", "get", "global.index-url"],
+                                 capture_output=True, text=True, timeout=timeout_s)
+            url = out.stdout.strip() if out.returncode == 0 else ""
+        except (OSError, subprocess.SubprocessError):
+            url = ""
+    url = (url or "https://pypi.org/simple").rstrip("/") + "/pip/"
+    try:
+        urllib.request.urlopen(url, timeout=timeout_s).close()
+    except urllib.error.HTTPError:
+        return None  # it answered
+    except (OSError, ValueError) as exc:
+        return f"the package index {url} does not answer ({exc})"
+    return None
+
+
+def _can_be_root() -> bool:
+    if os.geteuid() == 0:
+        return True
+    if shutil.which("sudo") is None:
+        return False
+    try:
+        return subprocess.run(["sudo", "-n", "true"], capture_output=True, timeout=PROBE_TIMEOUT_S).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False
+
+
+def offline_problems(options: BuildOptions, client: "DockerClient") -> list[str]:
+    """What stops an offline build here (empty: nothing): a base image that cannot be made (no debootstrap
+    or mmdebstrap, no root), and wheels that are neither here nor downloadable."""
+    from launcher.engine.images import image_exists
+
+    problems = []
+    if not image_exists(OFFLINE_BASE_IMAGE, client):
+        if not (shutil.which("debootstrap") or shutil.which("mmdebstrap")):
+            problems.append(f"{OFFLINE_BASE_IMAGE} is not on the engine and neither debootstrap nor mmdebstrap is "
+                            "installed to make it")
+        elif not _can_be_root():
+            problems.append(f"{OFFLINE_BASE_IMAGE} is not on the engine and debootstrap needs root: this user is "
+                            "not root and sudo asks for a password")
+    if not wheels_ready(options):
+        problem = index_problem()
+        if problem:
+            problems.append(f"no wheels in {options.wheels_dir} and {problem}")
+    return problems
+
+
+def choose_build_path(mode: str, options: BuildOptions, client: "DockerClient", *,
+                      registry_problem: Callable[[str], str | None] | None = None) -> BuildPath:
+    """The build path for ``--build mode`` (``auto``, ``online``, ``offline``) on this host, in seconds.
+
+    Args:
+        options: the build (its flavour and context name the wheels).
+        client: the engine that builds.
+        registry_problem: asks whether the engine can reach the online base's registry (tests force "no").
+
+    Raises:
+        BadInput: an unknown mode.
+        MissingDependency: ``auto`` and neither path can work; the message names what each one lacks.
+    """
+    from launcher.engine.images import image_exists
+    from launcher.engine.images import registry_problem as probe
+
+    if mode not in BUILD_MODES:
+        raise BadInput(f"--build {mode!r} is not one of {', '.join(BUILD_MODES)}")
+    if mode != "auto":
+        return BuildPath(mode == "offline", f"--build {mode}")
+    if image_exists(ONLINE_BASE_IMAGE, client):
+        return BuildPath(False, f"{ONLINE_BASE_IMAGE} is on this engine: building online")
+    online = (registry_problem or probe)(ONLINE_BASE_IMAGE)
+    if online is None:
+        return BuildPath(False, f"the registry of {ONLINE_BASE_IMAGE} answers: building online")
+    offline = offline_problems(options, client)
+    if not offline:
+        return BuildPath(True, f"no registry answers for {ONLINE_BASE_IMAGE}, so building offline: "
+                               f"{OFFLINE_BASE_IMAGE} by debootstrap + wheels downloaded on this host")
+    raise MissingDependency(
+        f"cannot build the image on this host: online, {online}; offline, {'; '.join(offline)}",
+        hint="offline needs debootstrap or mmdebstrap (`sudo apt-get install mmdebstrap`), root or passwordless "
+             "sudo once, and a package index or a copied docker/wheels/ directory; online needs a registry "
+             "(`docker pull python:3.11-slim-bookworm` must work); or pass --image with an existing image")

@@ -1,4 +1,5 @@
-"""How an attached run shows its progress: a live table on a terminal, plain ``key=value`` lines otherwise.
+"""How an attached run shows its progress: a live table on a terminal (:mod:`launcher.progress_live`), plain
+``key=value`` lines otherwise.
 
 Both reporters take the same events from the supervisor and ``launcher up`` (``prepared`` with the plan,
 ``status`` with the master's status.json and the backend's view, ``event`` with a sentence, ``result`` at
@@ -9,7 +10,10 @@ The plain format (stable; docs/operator.md has it in full) is one line per recor
 
     <UTC time, ISO 8601, ...Z> <kind> key=value key=value ...
 
-``kind`` is ``run``, ``event``, ``progress``, ``group``, ``gpu`` or ``end``. A value is ``-`` when unknown,
+``kind`` is ``run``, ``event``, ``build``, ``progress``, ``group``, ``gpu`` or ``end``. ``build`` lines come
+while a missing image is built before the start (phase ``base rootfs``, ``wheels`` or ``docker build``, the
+Dockerfile ``step`` of ``steps``, the latest output ``line``): one per phase or step change, else one every
+``--progress-interval`` seconds. A value is ``-`` when unknown,
 a bare token when it has no space, quote, ``=`` or backslash, else a JSON string. :func:`parse_plain_line`
 reads a line back. ``progress`` (then one ``group`` line per worker group and one ``gpu`` line per GPU of
 the run) comes every ``--progress-interval`` seconds; the lines never contain terminal control codes.
@@ -25,7 +29,6 @@ import time
 from dataclasses import asdict, dataclass
 from typing import IO, Any, Callable, Sequence
 
-from launcher.gpu_select import format_size
 
 PLAIN_FORMAT_VERSION = 1
 GPU_READ_INTERVAL_S = 2.0
@@ -84,6 +87,10 @@ class Snapshot:
     master_gpu: str
     groups: tuple[GroupRow, ...] = ()
     gpus: tuple[GpuRow, ...] = ()
+    # Policy lag of what the learner used (status.json's policy_lag): mean, max, dropped as too old.
+    lag_mean: float | None = None
+    lag_max: int | None = None
+    lag_dropped: int = 0
 
     @property
     def groups_connected(self) -> int:
@@ -169,6 +176,7 @@ class Tracker:
         target = s.get("target") or {}
         ck = s.get("checkpoint") or {}
         rate = s.get("env_steps_per_s")
+        lag = s.get("policy_lag") or {}
         pct, eta, basis = estimate(int(s.get("env_steps") or 0), target.get("max_steps"), rate,
                                    s.get("mean_return"), target.get("until_return"), list(self.history))
         return Snapshot(
@@ -184,6 +192,7 @@ class Tracker:
             progress_pct=pct, eta_s=eta, eta_basis=basis,
             master_gpu=_gpu_label(getattr(self.plan, "master", None)),
             groups=self._groups(), gpus=tuple(_gpu_row(g) for g in gpus if g.uuid in self.gpu_uuids()),
+            lag_mean=lag.get("mean"), lag_max=lag.get("max"), lag_dropped=int(lag.get("dropped") or 0),
         )
 
     def _groups(self) -> tuple[GroupRow, ...]:
@@ -221,10 +230,18 @@ def _gpu_row(g: Any) -> GpuRow:
 
 
 def read_run_gpus() -> list[Any]:
-    """Current NVML readings (empty when NVML is unavailable)."""
-    from launcher import nvml
+    """Current GPU (and MIG instance) readings: the run's GPU watch's latest when one runs (it reads NVML in
+    its own thread), else a reading of our own; empty when NVML is unavailable or missed its deadline."""
+    from launcher.errors import LauncherError
+    from launcher.gpu import mig, nvml, watch
 
-    return list(nvml.read_inventory().gpus)
+    latest = watch.latest_gpus()
+    if latest is not None:
+        return latest
+    try:
+        return mig.placeable(nvml.read_inventory().gpus)
+    except LauncherError:  # NvmlTimeout: the GPU watch reports it as an event; the view goes on without rows
+        return []
 
 
 # ------------------------------------------------------------------------------------------ plain lines
@@ -275,6 +292,7 @@ def progress_fields(snap: Snapshot) -> dict[str, Any]:
         "groups": f"{snap.groups_connected}/{len(snap.groups)}", "workers": snap.workers,
         "rejected": snap.rejected, "progress_pct": snap.progress_pct,
         "eta_s": None if snap.eta_s is None else round(snap.eta_s), "eta_basis": snap.eta_basis,
+        "lag_mean": snap.lag_mean, "lag_max": snap.lag_max, "lag_dropped": snap.lag_dropped,
     }
 
 
@@ -286,6 +304,12 @@ def group_fields(g: GroupRow) -> dict[str, Any]:
 def gpu_fields(g: GpuRow) -> dict[str, Any]:
     return {"gpu": g.index, "uuid": g.uuid, "memory_used_bytes": g.memory_used_bytes,
             "memory_total_bytes": g.memory_total_bytes, "utilization_pct": g.utilization_pct}
+
+
+def build_fields(b: dict[str, Any]) -> dict[str, Any]:
+    """A ``build`` line's fields from an image build record (``launcher.image_build.BuildStatus``)."""
+    return {"tag": b.get("tag"), "phase": b.get("phase"), "step": b.get("step"), "steps": b.get("steps"),
+            "elapsed_s": round(float(b.get("elapsed_s") or 0.0), 1), "line": (b.get("line") or "")[:200]}
 
 
 class PlainReporter:
@@ -301,6 +325,8 @@ class PlainReporter:
         self.tracker = Tracker(clock)
         self.clock = clock
         self._next: float | None = None
+        self._build_key: tuple[Any, Any] | None = None
+        self._build_next = 0.0
 
     def _line(self, kind: str, fields: dict[str, Any]) -> None:
         self.stream.write(format_plain_line(kind, fields) + "\n")
@@ -310,6 +336,11 @@ class PlainReporter:
         self.tracker.update(kind, data)
         if kind == "event":
             self._line("event", {"message": data["message"]})
+        elif kind == "build":
+            key, now = (data.get("phase"), data.get("step")), self.clock()
+            if key != self._build_key or now >= self._build_next:
+                self._build_key, self._build_next = key, now + self.interval_s
+                self._line("build", build_fields(data))
         elif kind == "prepared":
             plan = data.get("plan")
             self._line("run", {"run_id": data["run_id"], "results": data["results"],
@@ -343,120 +374,6 @@ class PlainReporter:
         pass
 
 
-# ------------------------------------------------------------------------------------------- live view
-def _f(x: Any, nd: int = 1) -> str:
-    if x is None:
-        return "-"
-    if isinstance(x, float):
-        return f"{x:,.{nd}f}"
-    if isinstance(x, int):
-        return f"{x:,}"
-    return str(x)
-
-
-def _duration(seconds: float | None) -> str:
-    if seconds is None:
-        return "-"
-    s = int(round(seconds))
-    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
-
-
-def render_snapshot(snap: Snapshot, events: Sequence[str] = ()) -> Any:
-    """The live view of ``snap`` as a rich renderable: worker groups, master, GPUs (if any), progress."""
-    from rich.console import Group
-    from rich.table import Table
-    from rich.text import Text
-
-    title = (f"run {snap.run_id or '?'} · {snap.algo or '?'} on {snap.env_id or '?'} · {snap.state or 'starting'}"
-             f" · {_duration(snap.elapsed_s)}")
-    groups = Table(title=title, title_justify="left", expand=False)
-    for col, just in (("group", "right"), ("state", "left"), ("GPU", "left"), ("workers", "right"),
-                      ("env steps/s", "right"), ("env steps", "right"), ("recent return", "right"),
-                      ("restarts", "right")):
-        groups.add_column(col, justify=just)  # type: ignore[arg-type]
-    for g in snap.groups:
-        style = None if g.state == "running" else "yellow" if g.state in ("connecting", "starting", "restarting") \
-            else "red"
-        groups.add_row(str(g.index), g.state, g.gpu, _f(g.workers), _f(g.env_steps_per_s, 0), _f(g.env_steps),
-                       _f(g.recent_return), str(g.restarts), style=style)
-    parts: list[Any] = [groups]
-    ck = "-" if snap.checkpoint_updates is None else \
-        f"at update {snap.checkpoint_updates:,}, {_duration(snap.checkpoint_age_s)} ago"
-    where = "CPU" if snap.master_gpu == "cpu" else f"GPU {snap.master_gpu}"
-    parts.append(Text(f"master on {where}: {snap.updates:,} updates ({_f(snap.updates_per_s, 2)}/s) · "
-                      f"queue {_f(snap.queue)} · checkpoint {ck} · {_f(snap.env_steps_per_s, 0)} env steps/s"
-                      f" · rejected {snap.rejected}"))
-    if snap.gpus:
-        gt = Table(title="GPUs", title_justify="left")
-        for col in ("GPU", "name", "memory used / total", "util"):
-            gt.add_column(col)
-        for d in snap.gpus:
-            gt.add_row(str(d.index), d.name, f"{format_size(d.memory_used_bytes)} / {format_size(d.memory_total_bytes)}",
-                       "-" if d.utilization_pct is None else f"{d.utilization_pct}%")
-        parts.append(gt)
-    parts.append(Text(progress_text(snap)))
-    if events:
-        parts.append(Text("\n".join(events[-5:]), style="dim"))
-    return Group(*parts)
-
-
-def progress_text(snap: Snapshot, width: int = 30) -> str:
-    pct = snap.progress_pct
-    bar = "-" * width if pct is None else "█" * int(width * pct / 100) + "░" * (width - int(width * pct / 100))
-    goals = []
-    if snap.max_steps:
-        goals.append(f"{snap.steps:,}/{snap.max_steps:,} steps")
-    else:
-        goals.append(f"{snap.steps:,} steps")
-    ret = f"mean return {_f(snap.mean_return, 2)} over {snap.episodes_in_window} episodes"
-    if snap.target_return is not None:
-        ret += f" (target {snap.target_return:g})"
-    eta = "-" if snap.eta_s is None else f"{_duration(snap.eta_s)} (by {snap.eta_basis})"
-    return f"progress {bar} {'-' if pct is None else f'{pct:.0f}%'} · {goals[0]} · {ret} · ETA {eta}"
-
-
-class LiveReporter:
-    """A live table (rich) redrawn in place; events scroll above it."""
-
-    def __init__(self, stream: IO[str] | None = None, *, gpu_reader: Callable[[], Sequence[Any]] | None = read_run_gpus,
-                 console: Any = None, clock: Callable[[], float] = time.monotonic) -> None:
-        from rich.console import Console
-        from rich.live import Live
-
-        self.console = console or Console(file=stream or sys.stderr)
-        self.live = Live(console=self.console, refresh_per_second=4, transient=False)
-        self.live.start()
-        self.tracker = Tracker(clock)
-        self.clock = clock
-        self.gpu_reader = gpu_reader
-        self._gpus: Sequence[Any] = ()
-        self._gpus_at: float | None = None
-
-    def __call__(self, kind: str, data: dict[str, Any]) -> None:
-        self.tracker.update(kind, data)
-        if kind == "event":
-            self._say(data["message"])
-        elif kind == "prepared":
-            self._say(f"run {data['run_id']} -> {data['results']}")
-        elif kind == "status":
-            self.live.update(self.render())
-
-    def _say(self, message: str) -> None:
-        """A message above the live table, with the time (rich's ``log`` would add our source path)."""
-        from rich.text import Text
-
-        self.console.print(Text(time.strftime("%H:%M:%S ") + message, style="dim"))
-
-    def render(self) -> Any:
-        now = self.clock()
-        if self.gpu_reader and self.tracker.gpu_uuids() and (self._gpus_at is None or now - self._gpus_at >= GPU_READ_INTERVAL_S):
-            self._gpus, self._gpus_at = self.gpu_reader(), now
-        return render_snapshot(self.tracker.snapshot(self._gpus))
-
-    def close(self) -> None:
-        self.live.stop()
-
-
 class NullReporter:
     """``--progress off``: nothing on stderr but errors."""
 
@@ -479,12 +396,16 @@ def make_reporter(stream: IO[str] | None = None, *, interactive: bool | None = N
         if interactive is None:
             interactive = stream.isatty() and os.environ.get("TERM", "") != "dumb"
         mode = "live" if interactive else "plain"
-    return LiveReporter(stream) if mode == "live" else PlainReporter(stream, interval_s)
+    if mode == "live":
+        from launcher.progress_live import LiveReporter
+
+        return LiveReporter(stream)
+    return PlainReporter(stream, interval_s)
 
 
 def snapshot_dict(snap: Snapshot) -> dict[str, Any]:
     return asdict(snap)
 
 
-__all__ = ["GroupRow", "GpuRow", "LiveReporter", "NullReporter", "PlainReporter", "Snapshot", "Tracker", "estimate",
-           "format_plain_line", "make_reporter", "parse_plain_line", "render_snapshot"]
+__all__ = ["GroupRow", "GpuRow", "NullReporter", "PlainReporter", "Snapshot", "Tracker", "build_fields", "estimate",
+           "format_plain_line", "make_reporter", "parse_plain_line"]

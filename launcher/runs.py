@@ -7,6 +7,7 @@ start from it. ``run.json`` is the launcher's own record (backend, state, pids o
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import secrets
@@ -16,7 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from launcher.errors import BadInput
-from worker.results import RunFiles, atomic_write_json, read_json
+from worker.contract import LOGS_DIR, SPEC_FILE, RunFiles
+from launcher.safefs import read_json_at
+from worker.results import atomic_write_json
 
 RUN_ID_RE = re.compile(r"^[a-z0-9][a-z0-9-]{2,62}$")
 
@@ -47,7 +50,7 @@ class RunDir:
         return self.path / "run.json"
 
     def read_record(self) -> dict[str, Any]:
-        return read_json(self.record) or {}
+        return read_json_at(self.record) or {}
 
     def update_record(self, **changes: Any) -> dict[str, Any]:
         rec = self.read_record()
@@ -62,7 +65,7 @@ def create_run_dir(root: Path, run_id: str) -> RunDir:
     try:
         root.mkdir(parents=True, exist_ok=True)
         path.mkdir()
-        (path / "logs").mkdir()
+        (path / LOGS_DIR).mkdir()
     except FileExistsError:
         raise BadInput(f"results directory {path} already exists", hint="use --resume RUN to continue a run") from None
     except OSError as exc:
@@ -74,10 +77,10 @@ def create_run_dir(root: Path, run_id: str) -> RunDir:
 def find_run(root: Path, run: str) -> RunDir:
     """Find a run by id (or by path to its directory). Raises BadInput listing recent runs if absent."""
     candidate = Path(run)
-    if candidate.is_dir() and (candidate / "spec.json").exists():
+    if candidate.is_dir() and (candidate / SPEC_FILE).exists():
         return RunDir(candidate.name, candidate.resolve())
     path = root / run
-    if (path / "spec.json").exists():
+    if (path / SPEC_FILE).exists():
         return RunDir(run, path)
     known = [r.run_id for r in list_runs(root)][-5:]
     raise BadInput(f"no run {run!r} under {root}",
@@ -88,8 +91,39 @@ def list_runs(root: Path) -> list[RunDir]:
     """Every run directory under ``root``, oldest first."""
     if not root.is_dir():
         return []
-    runs = [RunDir(p.name, p) for p in root.iterdir() if p.is_dir() and (p / "spec.json").exists()]
-    return sorted(runs, key=lambda r: (r.path / "spec.json").stat().st_mtime)
+    runs = [RunDir(p.name, p) for p in root.iterdir() if p.is_dir() and (p / SPEC_FILE).exists()]
+    return sorted(runs, key=lambda r: (r.path / SPEC_FILE).stat().st_mtime)
+
+
+def claim_live(run_dir: RunDir) -> int:
+    """Take the run's liveness lease: a shared ``flock`` on the run directory itself, held by this launcher (and,
+    once it starts, by the master: :func:`worker.contract.hold_live`) for as long as either lives.
+
+    It is first taken exclusively, so it fails while any other launcher or master of the run holds it: a live
+    run is never resumed beside itself (a second master on the same checkpoints and metrics, its record's
+    pids overwritten). The directory, not a file in it: nothing is created, and a container that can write the
+    directory cannot replace it. Returns the descriptor; the caller closes it when the run ends.
+
+    Raises:
+        BadInput: the run is live (exit 2; nothing was written), or its directory cannot be opened.
+    """
+    try:
+        fd = os.open(run_dir.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise BadInput(f"cannot open run {run_dir.run_id}'s directory {run_dir.path}: {exc.strerror}",
+                       hint="check the path and its permissions") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # not atomic: a rival that got in between wins, we refuse
+    except OSError:
+        os.close(fd)
+        rec = run_dir.read_record()
+        raise BadInput(f"run {run_dir.run_id} is still live: its launcher (pid {rec.get('launcher_pid', '?')}, state "
+                       f"{rec.get('state', '?')}) or its master holds the liveness lease on {run_dir.path}; "
+                       f"resuming it now would start a second master on the same checkpoints",
+                       hint=f"wait for it to end, or stop it with `launcher down {run_dir.run_id}`, then resume"
+                       ) from None
+    return fd
 
 
 def owner_uid_gid() -> tuple[int, int]:

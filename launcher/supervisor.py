@@ -2,9 +2,16 @@
 
 States (``RunState``): PREPARING -> STARTING -> RUNNING -> STOPPING -> one of FINISHED, FAILED,
 TIMED_OUT, INTERRUPTED. The monitor loop polls the backend and the master's ``status.json`` twice a
-second, restarts dead worker groups within the restart budget (unless the backend does that itself),
-enforces ``--timeout``, reacts to SIGINT/SIGTERM, and always ends in ``backend.stop()`` (a ``finally``),
-so no process or container outlives an attached ``launcher up``.
+second, enforces ``--timeout``, reacts to SIGINT/SIGTERM, and always ends in ``backend.stop()`` (a
+``finally``), so no process or container outlives an attached ``launcher up``.
+
+The restart budget is counted here and nowhere else (PyTorch elastic's split: the monitor only reads, the
+run loop decides). An engine that stops answering (a Docker restart) is waited for up to
+``ENGINE_RESTART_WINDOW_S`` before the run is given up, and the teardown waits for it the same way. A backend
+reports each group's restarts, whoever did them (Docker's ``on-failure``
+policy, the swarm, this loop); a group that failed is restarted by the backend's own system while it can
+(RESTARTING), else by :class:`Budget` after the backend's ``restart_grace_s``, until the budget is spent:
+then it is LOST and the run goes on with fewer workers. Every backend looks the same from outside.
 """
 
 from __future__ import annotations
@@ -14,12 +21,14 @@ import logging
 import signal
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
-from launcher.backends.base import Backend, BackendStatus, PreparedRun, ProcState
+from launcher.backends.base import Backend, BackendStatus, Part, PartState, PreparedRun
+from launcher.engine.errors import ENGINE_RESTART_WINDOW_S, EngineUnreachable
 from launcher.errors import ExitCode, LauncherError
-from worker.results import read_json
+from launcher.procs import launcher_record
+from launcher.safefs import read_json_at
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +67,67 @@ class RunResult:
 Event = Callable[[str, dict[str, Any]], None]  # (kind, data): "status", "event"
 
 
+@dataclass
+class Budget:
+    """The restart budget of a run's worker groups: which failed group to restart, which is lost.
+
+    ``grace_s``: how long a FAILED group is left to the backend's own system (its restart policy) before this
+    restarts it; ``clock`` is injectable for tests.
+    """
+
+    budget: int
+    grace_s: float
+    clock: Callable[[], float] = time.monotonic
+    restarts: dict[int, int] = field(default_factory=dict)
+    lost: list[int] = field(default_factory=list)
+    _failed_since: dict[int, float] = field(default_factory=dict)
+
+    def review(self, st: BackendStatus, backend: Backend, emit: Event) -> BackendStatus:
+        """Restart the failed groups that have budget left (through ``backend``), mark the others LOST, and
+        return ``st`` as the user should see it (a FAILED group with budget left is RESTARTING)."""
+        groups: dict[int, Part] = {}
+        for i, g in st.groups.items():
+            self.restarts[i] = g.restarts
+            if i in self.lost or g.state == PartState.LOST:
+                self._lose(i, g, emit)
+                groups[i] = replace(g, state=PartState.LOST)
+                continue
+            if g.state != PartState.FAILED:
+                self._failed_since.pop(i, None)
+                groups[i] = g
+                continue
+            if g.restarts >= self.budget:
+                self._lose(i, g, emit)
+                groups[i] = replace(g, state=PartState.LOST)
+                continue
+            first = self._failed_since.setdefault(i, self.clock())
+            if self.clock() - first >= self.grace_s:
+                self._failed_since.pop(i, None)
+                emit("event", {"message": f"group {i} died (exit {g.exit_code}); restarting it "
+                                          f"({g.restarts + 1} of {self.budget})"})
+                backend.restart_group(i)
+                self.restarts[i] = g.restarts + 1
+                g = replace(g, restarts=g.restarts + 1)
+            groups[i] = replace(g, state=PartState.RESTARTING)
+        return BackendStatus(st.master, groups)
+
+    def _lose(self, i: int, g: Part, emit: Event) -> None:
+        if i not in self.lost:
+            self.lost.append(i)
+            emit("event", {"message": f"group {i} died (exit {g.exit_code}) and its restart budget ({self.budget}) "
+                                      f"is spent; continuing with fewer workers"})
+
+    @property
+    def all_lost(self) -> bool:
+        return bool(self.lost) and len(self.lost) == len(self.restarts)
+
+
+class StartInterrupted(LauncherError):
+    """SIGINT/SIGTERM arrived before the run's start; nothing was started."""
+
+    exit_code = ExitCode.INTERRUPTED
+
+
 class StopSignal:
     """SIGINT/SIGTERM turn into a flag the monitor loop reads; a second signal escalates."""
 
@@ -93,16 +163,22 @@ def supervise(run: PreparedRun, backend: Backend, *, on_event: Event | None = No
     cfg = run.config
     started = time.monotonic()
     state = RunState.STARTING
-    restarts: dict[int, int] = {}
-    lost: list[int] = []
+    budget = Budget(cfg.restart_budget, backend.restart_grace_s)
     final: RunState | None = None
     failure: BaseException | None = None
     message = ""
-    run.run_dir.update_record(state=state.value, **backend.describe())
+    watch = None
+    outage: float | None = None  # since when the backend's engine has not answered
+    run.run_dir.update_record(state=state.value, **{**backend.describe(), **launcher_record()})
     try:
+        if stopper.requested is not None:  # a signal during planning: nothing is started (not even a build)
+            raise StartInterrupted(f"interrupted by {signal.Signals(stopper.requested).name} before the start")
         backend.start(run)
-        run.run_dir.update_record(state=RunState.RUNNING.value, **backend.describe())
+        run.run_dir.update_record(state=RunState.RUNNING.value, **{**backend.describe(), **launcher_record()})
         state = RunState.RUNNING
+        from launcher.gpu import watch as gpu_watch  # NVML only for runs on GPUs
+
+        watch = gpu_watch.start_for(run.run_id, run.plan.gpu_uuids, backend=backend.name)
         emit("event", {"message": f"run {run.run_id} started on the {backend.name} backend "
                                   f"({run.plan.total_workers} workers in {len(run.plan.groups)} groups)"})
         while True:
@@ -112,31 +188,41 @@ def supervise(run: PreparedRun, backend: Backend, *, on_event: Event | None = No
             if cfg.timeout_s is not None and time.monotonic() - started > cfg.timeout_s:
                 final, message = RunState.TIMED_OUT, f"--timeout {cfg.timeout_s:g} s elapsed"
                 break
-            st = backend.poll()
-            status = read_json(run.run_dir.files.status)
+            try:
+                st = budget.review(backend.poll(), backend, emit)
+            except EngineUnreachable as exc:  # an engine restart: wait for it (a while), do not abandon the run
+                if outage is None:
+                    outage = time.monotonic()
+                    emit("event", {"message": f"{exc.message}; waiting up to {ENGINE_RESTART_WINDOW_S:.0f} s "
+                                              "for it to come back"})
+                elif time.monotonic() - outage > ENGINE_RESTART_WINDOW_S:
+                    raise
+                time.sleep(1.0)
+                continue
+            if outage is not None:
+                emit("event", {"message": f"the engine answers again after {time.monotonic() - outage:.1f} s"})
+                outage = None
+            if watch is not None:  # foreign processes on the run's GPUs: an event and run.json's gpu_watch
+                watch.review(emit, run.run_dir.update_record)
+            status = read_json_at(run.run_dir.files.status)
             if status:
-                emit("status", {"status": status, "backend": st, "restarts": dict(restarts)})
-            if st.master.state in (ProcState.EXITED, ProcState.FAILED, ProcState.LOST):
+                emit("status", {"status": status, "backend": st, "restarts": dict(budget.restarts)})
+            if not st.master.state.alive:
+                backend.fetch_results()
                 final, message = _master_ended(run, st)
                 break
-            if not backend.restarts_groups:
-                _restart_dead_groups(backend, st, cfg.restart_budget, restarts, lost, emit)
-            else:
-                for i, g in st.groups.items():
-                    restarts[i] = g.restarts
-                    if g.state == ProcState.LOST and i not in lost:
-                        lost.append(i)
-                        emit("event", {"message": f"group {i} lost: its restart budget is spent; "
-                                                  f"continuing with fewer workers"})
-            if lost and len(lost) == len(st.groups):
+            if budget.all_lost:
                 final, message = RunState.FAILED, "every worker group died and their restart budgets are spent"
                 break
             time.sleep(poll_s)
     except BaseException as exc:
-        final = final or RunState.FAILED
+        interrupted = isinstance(exc, LauncherError) and exc.exit_code == ExitCode.INTERRUPTED  # e.g. during a build
+        final = final or (RunState.INTERRUPTED if interrupted else RunState.FAILED)
         failure = exc
         raise
     finally:
+        if watch is not None:
+            watch.stop()
         run.run_dir.update_record(state=RunState.STOPPING.value)
         emit("event", {"message": "stopping: master first (final checkpoint), then the worker groups"})
         try:
@@ -147,41 +233,25 @@ def supervise(run: PreparedRun, backend: Backend, *, on_event: Event | None = No
                 code = failure.exit_code if isinstance(failure, LauncherError) else ExitCode.INTERNAL
                 run.run_dir.update_record(state=(final or RunState.FAILED).value, exit_code=int(code),
                                           message=str(failure) or type(failure).__name__, ended=time.time())
-    summary = read_json(run.run_dir.files.summary) or {}
+    summary = read_json_at(run.run_dir.files.summary) or {}
     assert final is not None
     code = _exit_code(final, summary, cfg.until_return)
     if final == RunState.FINISHED and code == ExitCode.TARGET_NOT_REACHED:
         message = (f"--until-return {cfg.until_return:g} not reached within --max-steps {cfg.max_steps}: "
                    f"mean return {summary.get('mean_return')}")
-    result = RunResult(run.run_id, final, code, message, summary, restarts, lost, time.monotonic() - started)
+    result = RunResult(run.run_id, final, code, message, summary, dict(budget.restarts), list(budget.lost),
+                       time.monotonic() - started)
     run.run_dir.update_record(state=final.value, exit_code=int(code), message=message, ended=time.time())
     return result
 
 
 def _master_ended(run: PreparedRun, st: BackendStatus) -> tuple[RunState, str]:
-    summary = read_json(run.run_dir.files.summary) or {}
-    if st.master.state == ProcState.EXITED and summary.get("outcome") in ("target_reached", "max_steps"):
+    summary = read_json_at(run.run_dir.files.summary) or {}
+    if st.master.state == PartState.EXITED and summary.get("outcome") in ("target_reached", "max_steps"):
         return RunState.FINISHED, f"run {summary['outcome'].replace('_', ' ')}"
     return RunState.FAILED, (f"the master exited with code {st.master.exit_code} "
                              f"(outcome {summary.get('outcome', 'unknown')}); see {run.run_dir.files.logs}/master.log"
                              f" and resume with `launcher up --resume {run.run_id}`")
-
-
-def _restart_dead_groups(backend: Backend, st: BackendStatus, budget: int, restarts: dict[int, int],
-                         lost: list[int], emit: Event) -> None:
-    for i, g in st.groups.items():
-        if g.state != ProcState.FAILED or i in lost:
-            continue
-        used = restarts.get(i, 0)
-        if used < budget:
-            restarts[i] = used + 1
-            emit("event", {"message": f"group {i} died (exit {g.exit_code}); restarting it "
-                                      f"({used + 1} of {budget})"})
-            backend.restart_group(i)
-        else:
-            lost.append(i)
-            emit("event", {"message": f"group {i} died (exit {g.exit_code}) and its restart budget ({budget}) "
-                                      f"is spent; continuing with fewer workers"})
 
 
 def _exit_code(final: RunState, summary: dict[str, Any], until_return: float | None) -> ExitCode:

@@ -8,19 +8,23 @@ import dataclasses
 import logging
 import os
 import shutil
+import time
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, Callable
 
 from launcher import config as config_mod
-from launcher import placement
+from launcher.backends import backend_class
 from launcher.backends.base import Backend, PreparedRun
 from launcher.config import RunConfig
-from launcher.errors import BadInput, ExitCode, MissingDependency
-from launcher.runs import create_run_dir, find_run, new_run_id, new_secret
+from launcher.errors import BadInput, ExitCode, LauncherError
+from launcher.gpu.placement import Plan
+from launcher.runs import claim_live, create_run_dir, find_run, new_run_id, new_secret
 from launcher.supervisor import RunResult, RunState, StopSignal, supervise
-from worker.results import atomic_write_json, atomic_write_text, read_json
-from worker.spec import GroupAssignment, RunSpec
+from launcher.procs import launcher_record
+from launcher.safefs import read_json_at
+from worker.results import atomic_write_json, atomic_write_text
+from worker.contract import GroupAssignment, RunSpec
 
 log = logging.getLogger(__name__)
 
@@ -30,37 +34,23 @@ def choose_backend(name: str) -> tuple[str, str]:
     if name != "auto":
         return name, f"--backend {name}"
     try:
-        from launcher.backends import docker as docker_backend
-
-        reason = docker_backend.engine_unavailable_reason()
+        from launcher.engine import engine_unavailable_reason
     except ImportError:
         return "process", "auto: the Docker backend is not installed; using local processes"
+    reason = engine_unavailable_reason()
     if reason is None:
         return "docker", "auto: a Docker engine answered; running in containers"
     return "process", f"auto: no Docker engine ({reason}); using local processes"
 
 
-def make_backend(name: str, cfg: RunConfig, *, progress: Callable[[str], None] | None = None) -> Backend:
-    """The backend called ``name``; ``progress`` receives its lines (e.g. an image build before the start)."""
-    if name == "process":
-        from launcher.backends.process import ProcessBackend
-
-        return ProcessBackend()
-    if name == "docker":
-        from launcher.backends.docker import DockerBackend
-
-        return DockerBackend(image=cfg.image, progress=progress)
-    if name == "swarm":
-        try:
-            from launcher.backends.swarm import SwarmBackend
-        except ImportError:
-            raise MissingDependency("the swarm backend is not available in this version",
-                                    hint="use --backend docker or --backend process") from None
-        return SwarmBackend(image=cfg.image, progress=progress, master_placement=cfg.swarm_master)
-    raise BadInput(f"unknown backend {name!r}", hint="choose auto, process, docker or swarm")
+def make_backend(name: str, cfg: RunConfig, *,
+                 on_event: Callable[[str, dict[str, Any]], None] | None = None) -> Backend:
+    """The backend called ``name``; ``on_event`` receives what it reports (e.g. an image build before the
+    start)."""
+    return backend_class(name).from_config(cfg, on_event=on_event)
 
 
-def build_spec(cfg: RunConfig, plan: placement.Plan, run_id: str, results_dir: Path) -> RunSpec:
+def build_spec(cfg: RunConfig, plan: Plan, run_id: str, results_dir: Path) -> RunSpec:
     groups = tuple(GroupAssignment(index=g.index, workers=g.workers, gpu=g.share.on_gpu,
                                    memory_limit_bytes=g.share.memory_limit_bytes) for g in plan.groups)
     return RunSpec(run_id=run_id, env_id=cfg.env_id, algo=cfg.algo, seed=cfg.seed, max_steps=cfg.max_steps,
@@ -69,47 +59,40 @@ def build_spec(cfg: RunConfig, plan: placement.Plan, run_id: str, results_dir: P
                    checkpoint_every=cfg.effective_checkpoint_every, hparams=dict(cfg.hparams), groups=groups)
 
 
-def make_plan(cfg: RunConfig, run_id: str, *, cpu_count: int | None = None) -> tuple[placement.Plan, Any]:
-    """Select and reserve GPUs (if any) and plan, within the site policy (:mod:`launcher.policy`).
+def make_plan(cfg: RunConfig, run_id: str, *, cpu_count: int | None = None,
+              report: Callable[[str], None] | None = None) -> tuple[Plan, Any]:
+    """Select and lease GPUs (if any) and plan, within the site policy: one call into :mod:`launcher.gpu`.
     Returns (plan, reservation or None); ``plan.reasons`` says where the policy limited the run."""
-    from launcher import policy
-    from launcher.gpu_select import parse_gpu_choice, parse_size, plan_and_reserve
+    from launcher import gpu
 
-    site = policy.load_policy()
-    min_free, notes = policy.floor_min_free_memory(parse_size(cfg.min_free_memory, what="--min-free-memory"), site)
-    request = placement.PlanRequest(workers=cfg.workers, max_workers_per_group=cfg.max_workers_per_group,
-                                    groups=cfg.groups)
-    gpu_filter = policy.gpu_filter_for(site, gpus_choice=cfg.gpus, lock_dir=cfg.lock_dir, run_id=run_id)
-    plan, reservation, limits = policy.plan_obeying(
-        lambda req: plan_and_reserve(req, choice=cfg.gpus, run_id=run_id, cpu_count=cpu_count or os.cpu_count() or 1,
-                                     lock_dir=cfg.lock_dir, min_free_memory=min_free,
-                                     max_utilization_pct=cfg.max_utilization, gpu_filter=gpu_filter),
-        request, site)
-    if parse_gpu_choice(cfg.gpus).mode == "none":
-        notes = []
-    return dataclasses.replace(plan, reasons=(*notes, *plan.reasons, *limits)), reservation
+    outcome = gpu.plan_and_reserve(config_mod.gpu_request(cfg), run_id=run_id,
+                                   cpu_count=cpu_count or os.cpu_count() or 1, report=report)
+    return outcome.plan, outcome.reservation
 
 
-def prepare(cfg: RunConfig, stack: ExitStack) -> tuple[PreparedRun, str]:
+def prepare(cfg: RunConfig, stack: ExitStack, *, report: Callable[[str], None] | None = None
+            ) -> tuple[PreparedRun, str]:
     """Validate, plan, reserve and write the run's files. Returns (run, backend name)."""
     config_mod.check(cfg)
     backend_name, why = choose_backend(cfg.backend)
-    if cfg.detach and backend_name == "process":
+    if cfg.detach and not backend_class(backend_name).outlives_launcher:
         raise BadInput(f"--detach needs the docker backend ({why}): local processes die with the launcher",
                        hint="add --backend docker (an engine must answer), or leave out --detach")
     if cfg.resume:
         run_dir = find_run(cfg.results, cfg.resume)
         run_id = run_dir.run_id
+        stack.callback(os.close, claim_live(run_dir))  # a live run is refused before anything is written
     else:
         run_id = new_run_id(cfg.env_id, cfg.algo)
         run_dir = None
-    plan, reservation = make_plan(cfg, run_id)
+    plan, reservation = make_plan(cfg, run_id, report=report)  # report: --wait's queue lines
     if reservation is not None:
         stack.callback(reservation.release)
     preflight(backend_name, plan)
     created = run_dir is None
     if run_dir is None:
         run_dir = create_run_dir(cfg.results, run_id)
+        stack.callback(os.close, claim_live(run_dir))
     spec = build_spec(cfg, plan, run_id, run_dir.path)
     files = run_dir.files
     try:
@@ -125,29 +108,19 @@ def prepare(cfg: RunConfig, stack: ExitStack) -> tuple[PreparedRun, str]:
             shutil.rmtree(run_dir.path, ignore_errors=True)
         raise BadInput(f"cannot write the run's files in {run_dir.path}: {exc.strerror or exc}",
                        hint="free space on that file system, or choose another --results root") from None
-    return PreparedRun(config=cfg, plan=plan, spec=spec, run_dir=run_dir, secret=new_secret()), why
+    return PreparedRun(config=cfg, plan=plan, spec=spec, run_dir=run_dir, secret=new_secret(),
+                       reservation=reservation), why
 
 
-def preflight(backend_name: str, plan: placement.Plan) -> None:
-    """What the backend needs that can be checked before anything is written: for Docker, an engine that
-    answers and, for a plan on GPUs, its NVIDIA runtime (like ``docker info``). Raises MissingDependency,
-    so a run that could never start leaves no run directory behind."""
-    if backend_name != "docker":
-        return
-    from launcher.backends.docker import check_gpu_runtime
-    from launcher.docker_client import Engine
-
-    engine = Engine()
-    try:
-        check_gpu_runtime(plan, engine.runtimes())
-    finally:
-        engine.close()
+def preflight(backend_name: str, plan: Plan) -> None:
+    """What the backend needs that can be checked before anything is written (see ``Backend.preflight``)."""
+    backend_class(backend_name).preflight(plan)
 
 
 def resume_config(cfg_flags: dict[str, Any], results: Path, run: str) -> RunConfig:
     """The config of run ``run`` with the flags given now applied on top (e.g. a larger --max-steps)."""
     run_dir = find_run(results, run)
-    saved = read_json(run_dir.files.config) or {}
+    saved = read_json_at(run_dir.files.config) or {}
     fields = {f.name for f in dataclasses.fields(RunConfig)}
     base = {k: v for k, v in saved.items() if k in fields and k not in ("resume", "detach", "json")}
     cfg, _ = config_mod.resolve_config({**cfg_flags, "resume": run_dir.run_id, "results": str(run_dir.path.parent)},
@@ -162,13 +135,12 @@ def up(cfg: RunConfig, *, on_event: Callable[[str, dict[str, Any]], None] | None
         stopper = stop_signal or StopSignal()
         stopper.install()  # a Ctrl-C during planning still tears down cleanly
         stack.callback(stopper.restore)
-        run, why = prepare(cfg, stack)
+        run, why = prepare(cfg, stack, report=(lambda line: on_event("event", {"message": line})) if on_event else None)
         if on_event:
             on_event("event", {"message": why})
             on_event("event", {"message": "; ".join(run.plan.reasons)})
             on_event("prepared", {"run_id": run.run_id, "results": str(run.results_dir), "plan": run.plan})
-        progress = (lambda line: on_event("event", {"message": line})) if on_event else None
-        backend = make_backend(run.run_dir.read_record().get("backend", "process"), cfg, progress=progress)
+        backend = make_backend(run.run_dir.read_record().get("backend", "process"), cfg, on_event=on_event)
         if cfg.detach:
             return start_detached(run, backend)
         return supervise(run, backend, on_event=on_event, stop_signal=stopper)
@@ -180,17 +152,20 @@ def start_detached(run: PreparedRun, backend: Backend) -> RunResult:
     Only a backend whose parts outlive the launcher can do this (Docker: containers found again by label;
     ``launcher status``/``logs``/``down`` manage them). A failed start removes what it had created.
     """
-    if backend.name == "process":
+    if not backend.outlives_launcher:
         raise BadInput("--detach needs the docker backend: local processes die with the launcher",
                        hint="add --backend docker, or leave out --detach")
-    run.run_dir.update_record(state=RunState.STARTING.value, detached=True, **backend.describe())
+    run.run_dir.update_record(state=RunState.STARTING.value, detached=True,
+                              **{**backend.describe(), **launcher_record()})
     try:
         backend.start(run)
-    except BaseException:
+    except BaseException as exc:
         backend.stop(grace_s=2.0)
-        run.run_dir.update_record(state=RunState.FAILED.value)
+        code = exc.exit_code if isinstance(exc, LauncherError) else ExitCode.INTERNAL
+        run.run_dir.update_record(state=(RunState.INTERRUPTED if code == ExitCode.INTERRUPTED else RunState.FAILED).value,
+                                  exit_code=int(code), message=str(exc) or type(exc).__name__, ended=time.time())
         raise
-    run.run_dir.update_record(state=RunState.RUNNING.value, **backend.describe())
+    run.run_dir.update_record(state=RunState.RUNNING.value, **{**backend.describe(), **launcher_record()})
     return RunResult(run.run_id, RunState.RUNNING, ExitCode.OK,
                      f"started detached; `launcher status {run.run_id}` shows it, `launcher logs {run.run_id} "
                      f"--follow` follows the master, `launcher down {run.run_id}` stops it")

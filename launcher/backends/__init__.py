@@ -1,5 +1,74 @@
 """Backends turn a prepared run (spec + plan + secret) into running things: local processes
-(:mod:`launcher.backends.process`), Docker containers (:mod:`launcher.backends.docker`), or Swarm
-services. They share one interface, :class:`launcher.backends.base.Backend`, and the supervisor
-(:mod:`launcher.supervisor`) drives any of them the same way.
+(:mod:`launcher.backends.process`), Docker containers (:mod:`launcher.backends.docker`), or Swarm services
+(:mod:`launcher.backends.swarm`). They share one interface, :class:`launcher.backends.base.Backend`: the
+supervisor (:mod:`launcher.supervisor`) drives any of them the same way, and ``status``/``logs``/``down``
+(:mod:`launcher.lifecycle`) reach a run through the :class:`~launcher.backends.base.FoundRun` its backend gives.
+
+This module is the one table of backends by name (``run.json`` records the name).
 """
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from typing import Any
+
+from launcher.backends.base import Backend, FoundRun, NoParts
+from launcher.errors import BadInput
+from launcher.runs import RunDir
+
+# name -> (module, class); imported on first use (the Docker SDK stays out of `launcher --help`).
+BACKENDS: dict[str, tuple[str, str]] = {
+    "process": ("launcher.backends.process", "ProcessBackend"),
+    "docker": ("launcher.backends.docker", "DockerBackend"),
+    "swarm": ("launcher.backends.swarm", "SwarmBackend"),
+}
+# Who to ask about a run known only by its labels: services first (a swarm run's task containers carry the
+# same labels as a Docker run's containers).
+_BY_LABEL = ("swarm", "docker")
+
+
+def backend_class(name: str) -> type[Backend]:
+    """The backend class called ``name``.
+
+    Raises:
+        BadInput: no such backend.
+    """
+    if name not in BACKENDS:
+        raise BadInput(f"unknown backend {name!r}", hint=f"choose auto, {', '.join(BACKENDS)}")
+    module, cls = BACKENDS[name]
+    found: type[Backend] = getattr(importlib.import_module(module), cls)
+    return found
+
+
+def find(run_id: str, run_dir: RunDir | None, record: dict[str, Any]) -> FoundRun:
+    """The run as the backend its record names left it; with no results directory, whichever backend's
+    labels name it (None of them: a FoundRun with no parts)."""
+    name = record.get("backend")
+    if isinstance(name, str) and name in BACKENDS:
+        return backend_class(name).find(run_id, run_dir, record)
+    if run_dir is None:
+        return find_by_label(run_id) or NoParts(run_id, None, record)
+    return NoParts(run_id, run_dir, record)
+
+
+def find_by_label(run_id: str) -> FoundRun | None:
+    """A run whose containers, networks or services carry its label, with its results directory when the
+    labels name one on this host; None when no backend knows it."""
+    for name in _BY_LABEL:
+        found = backend_class(name).find(run_id, None, {})
+        if found.exists():
+            found.run_dir = found.results_from_labels()
+            if found.run_dir is not None:
+                found.record = found.run_dir.read_record()
+            return found
+        found.close()
+    return None
+
+
+def live_run_ids(root: Path, *, user: str | None) -> set[str]:
+    """Runs that may still have live parts: under ``root`` (processes) and on the engine (labels)."""
+    out: set[str] = set()
+    for name in BACKENDS:
+        out |= backend_class(name).live_run_ids(root, user=user)
+    return out

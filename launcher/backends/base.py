@@ -1,17 +1,30 @@
-"""The backend interface and the prepared run every backend starts from."""
+"""The backend interface, the prepared run every backend starts from, and the one type for a run's parts.
+
+A backend owns its run after start (PyTorch elastic's agent split: a blueprint, then an instance):
+
+* while ``launcher up`` watches it, :meth:`Backend.poll` reads every :class:`Part` (and changes nothing),
+  :meth:`Backend.restart_group` starts a dead group again when the supervisor decides so, and
+  :meth:`Backend.stop` takes everything down;
+* afterwards, from any process, :meth:`Backend.find` gives a :class:`FoundRun` from the run's results
+  directory and the engine's labels: its parts, their logs, and a ``down``. ``launcher status``/``logs``/
+  ``down`` use only that, whichever backend ran it.
+"""
 
 from __future__ import annotations
 
 import abc
 import enum
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from launcher.config import RunConfig
-from launcher.placement import Plan
+
+Event = Callable[[str, dict[str, Any]], None]  # (kind, data), the supervisor's event vocabulary
+from launcher.gpu.placement import Plan
 from launcher.runs import RunDir
-from worker.spec import RunSpec
+from worker.contract import RunSpec
 
 
 @dataclass(frozen=True)
@@ -26,6 +39,9 @@ class PreparedRun:
     spec: RunSpec
     run_dir: RunDir
     secret: str = field(repr=False)
+    # The launcher's GPU leases (launcher.gpu.reservations.Reservation; None on CPU): a container backend
+    # hands them to the master (launcher.gpu.handover) so they live as long as the run.
+    reservation: Any = field(default=None, repr=False, compare=False)
 
     @property
     def run_id(self) -> str:
@@ -36,39 +52,170 @@ class PreparedRun:
         return self.run_dir.path
 
 
-class ProcState(str, enum.Enum):
+class PartState(str, enum.Enum):
+    """Where one part (the master, a worker group) of a run is, on any backend."""
+
     STARTING = "starting"
     RUNNING = "running"
-    RESTARTING = "restarting"
+    RESTARTING = "restarting"  # its own system (the engine's restart policy, the swarm) is starting it again
     EXITED = "exited"  # exited 0: the master told it the run is over
-    FAILED = "failed"  # exited non-zero
-    LOST = "lost"  # failed and its restart budget is spent
+    FAILED = "failed"  # exited non-zero and nothing is starting it again (yet)
+    LOST = "lost"  # failed with its restart budget spent, or vanished
+
+    @property
+    def alive(self) -> bool:
+        return self in (PartState.STARTING, PartState.RUNNING, PartState.RESTARTING)
 
 
-@dataclass
-class ProcStatus:
+@dataclass(frozen=True)
+class Part:
+    """One process, container or service of a run, as its backend sees it now.
+
+    Attributes:
+        name: ``master`` or ``group-N``.
+        state: the backend-neutral state.
+        exit_code: the last exit status, None while it runs.
+        restarts: how often it was started again, by anyone (the engine's policy, the swarm, the supervisor).
+        ident: pid, or container id (12 characters).
+        status: the backend's own word (Docker's container status, ``alive``/``gone`` for a process), as
+            ``launcher status`` prints it.
+        health: the container's healthcheck status, ``""`` without one.
+        node: the swarm node it runs on, ``""`` elsewhere.
+        lost: on a swarm, the lost node an earlier task of it ran on and since when (``node X lost at T``),
+            ``""`` when none was lost.
+    """
+
     name: str
-    state: ProcState
+    state: PartState
     exit_code: int | None = None
     restarts: int = 0
-    ident: str = ""  # pid or container id
+    ident: str = ""
+    status: str = ""
+    health: str = ""
+    node: str = ""
+    lost: str = ""
+
+    @property
+    def group(self) -> int | None:
+        """The worker group's index; None for the master."""
+        head, _, index = self.name.partition("-")
+        return int(index) if head == "group" and index.isdigit() else None
+
+    @property
+    def word(self) -> str:
+        """What ``launcher status`` prints for it: the backend's own word, else the state's."""
+        return self.status or self.state.value
+
+    def to_dict(self) -> dict[str, Any]:
+        """The part in ``launcher status --json`` (schema launcher.run-status/v1)."""
+        d: dict[str, Any] = {"name": self.name, "state": self.word, "id": self.ident,
+                             "restarts": self.restarts, "exit_code": self.exit_code, "health": self.health}
+        d.update({k: v for k, v in (("node", self.node), ("lost", self.lost)) if v})  # swarm runs only
+        return d
+
+
+def part_order(part: Part) -> tuple[bool, int, str]:
+    """Sort key: the master first, then groups by index."""
+    return (part.name != "master", len(part.name), part.name)
+
+
+@dataclass(frozen=True)
+class BackendStatus:
+    """One :meth:`Backend.poll`: the master and each group by index."""
+
+    master: Part
+    groups: dict[int, Part]
 
 
 @dataclass
-class BackendStatus:
-    master: ProcStatus
-    groups: dict[int, ProcStatus]
+class DownReport:
+    """What ``down`` found and removed for one run (``launcher down --json``, schema launcher.down/v1)."""
+
+    run_id: str
+    results: str = ""
+    containers: list[str] = field(default_factory=list)
+    networks: int = 0
+    pids: list[int] = field(default_factory=list)
+    launcher_signalled: bool = False
+    services: list[str] = field(default_factory=list)  # swarm runs
+    secrets: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"run_id": self.run_id, "results": self.results, "containers": self.containers,
+                "networks": self.networks, "pids": self.pids, "launcher_signalled": self.launcher_signalled,
+                "services": self.services, "secrets": self.secrets}
+
+    @property
+    def removed_anything(self) -> bool:
+        return bool(self.containers or self.services or self.pids)
+
+
+class FoundRun(abc.ABC):
+    """A run found again after its start, by results directory and by label (docker-py's idea of a model a
+    ``Collection`` finds again). Opened by :meth:`Backend.find`; close it when done.
+
+    ``unreachable``: why the backend's system (the Docker engine) cannot be asked, ``""`` when it can; the
+    parts are then unknown (empty) and :meth:`down` raises.
+    """
+
+    backend: ClassVar[str] = "?"  # the backend's name, as run.json records it
+    unreachable: str = ""
+
+    def __init__(self, run_id: str, run_dir: RunDir | None, record: dict[str, Any]) -> None:
+        self.run_id = run_id
+        self.run_dir = run_dir
+        self.record = record
+
+    @abc.abstractmethod
+    def parts(self) -> list[Part]:
+        """Every part of the run that still exists, the master first."""
+
+    def exists(self) -> bool:
+        """Whether the backend's system still holds anything of this run (containers, networks, services)."""
+        return bool(self.parts())
+
+    def results_from_labels(self) -> RunDir | None:
+        """The results directory the run's labels name, when it is on this host."""
+        return None
+
+    def logs(self, part: str) -> bytes | None:
+        """What ``part`` printed, from the backend while the part exists; None: read the run's ``logs/``."""
+        return None
+
+    def follow(self, part: str, *, poll_s: float) -> Iterator[bytes] | None:
+        """``part``'s output as it is written, until it ends; None: follow the run's ``logs/`` file."""
+        return None
+
+    @abc.abstractmethod
+    def down(self, report: DownReport, *, grace_s: float) -> None:
+        """Stop every part, the master first (it checkpoints), keep their output in ``logs/``, remove what the
+        run made (containers, services, networks, secrets); results stay. Fills ``report``. Idempotent."""
+
+    def close(self) -> None:
+        """Let go of any connection the run was found through."""
+
+
+class NoParts(FoundRun):
+    """A run with nothing left to find or stop (its record names no backend that keeps parts)."""
+
+    def parts(self) -> list[Part]:
+        return []
+
+    def down(self, report: DownReport, *, grace_s: float) -> None:
+        return None
 
 
 class Backend(abc.ABC):
-    """How a :class:`PreparedRun` becomes running processes or containers.
+    """How a :class:`PreparedRun` becomes running processes or containers, and how it is found again.
 
-    ``restarts_groups``: True when the backend (e.g. Docker's restart policy) restarts dead groups itself;
-    otherwise the supervisor calls :meth:`restart_group` within the run's restart budget.
+    ``restart_grace_s``: how long a FAILED group is left to the backend's own system (Docker's restart
+    policy, the swarm) before the supervisor restarts it itself; 0 when nothing else ever restarts it.
+    ``outlives_launcher``: whether the run's parts survive the launcher (``up --detach`` needs it).
     """
 
-    name: str = "?"
-    restarts_groups: bool = False
+    name: ClassVar[str] = "?"
+    restart_grace_s: ClassVar[float] = 0.0
+    outlives_launcher: ClassVar[bool] = False
 
     @abc.abstractmethod
     def start(self, run: PreparedRun) -> None:
@@ -76,17 +223,44 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def poll(self) -> BackendStatus:
-        """Current state of the master and groups (cheap; called every half second)."""
+        """Current state of the master and groups. Only reads (called every half second)."""
 
     @abc.abstractmethod
     def restart_group(self, index: int) -> None:
-        """Start group ``index`` again after it died."""
+        """Start group ``index`` again after it died (the supervisor decides when, within the budget)."""
 
     @abc.abstractmethod
     def stop(self, *, grace_s: float = 8.0) -> None:
         """Stop everything: the master first (it checkpoints and tells groups to stop), then the rest;
         kill what has not exited after ``grace_s``. Idempotent; safe after a partial start."""
 
+    def fetch_results(self) -> None:
+        """Bring results the master wrote elsewhere (a Swarm volume on another node) into the results
+        directory; the supervisor calls it once the master ended, before it reads the summary."""
+
     def describe(self) -> dict[str, Any]:
         """What to record in run.json so ``status``/``down`` can find the run's parts later."""
         return {"backend": self.name}
+
+    @classmethod
+    def from_config(cls, cfg: RunConfig, *, on_event: Event | None = None) -> "Backend":
+        """The backend ``launcher up`` uses for ``cfg``; ``on_event`` receives what it reports before and
+        after the start (``event`` lines, ``build`` records of an image build), as the supervisor's events."""
+        return cls()
+
+    @classmethod
+    def preflight(cls, plan: Plan) -> None:
+        """What can be checked before anything is written (an engine, its NVIDIA runtime); raises
+        MissingDependency, so a run that could never start leaves no run directory behind."""
+
+    @classmethod
+    def find(cls, run_id: str, run_dir: RunDir | None, record: dict[str, Any]) -> FoundRun:
+        """The run ``run_id`` as this backend left it (``run_dir`` None: known only by its labels). A backend
+        whose parts end with the launcher has nothing to find: that is the default."""
+        return NoParts(run_id, run_dir, record)
+
+    @classmethod
+    def live_run_ids(cls, root: Path, *, user: str | None) -> set[str]:
+        """Ids (or results directories) of this backend's runs that may still have live parts: those under
+        ``root``, and those its system knows by label (``user``: only that uid's; None: everyone's)."""
+        return set()

@@ -9,13 +9,15 @@ One run is, on the engine:
   ``/results``; it listens on 0.0.0.0:7100 of that network only;
 * one container per worker group ``launcher-<run id>-group-<N>``, its GPUs handed over by UUID
   (``NVIDIA_VISIBLE_DEVICES`` and a DeviceRequest), its CPUs limited (``nano_cpus``), restarted by the
-  engine (``on-failure`` with the run's restart budget), so the supervisor only watches
-  (``restarts_groups = True``).
+  engine (``on-failure`` with the run's restart budget). A group the policy does not restart (a
+  ``docker kill`` counts as a manual stop) is restarted by the supervisor after :attr:`restart_grace_s`.
 
-Every container runs as the invoking user with no capabilities, ``no-new-privileges`` and a read-only root
-file system, and carries ``launcher.*`` labels, so ``launcher status``/``down`` find a run's parts even
-after the launcher itself was killed (:func:`teardown` is the one way they go away). Every call to the
-engine goes through :mod:`launcher.docker_client`.
+Every container runs as the invoking user with no capabilities, ``no-new-privileges``, a read-only root
+file system and memory and pids limits (:func:`~launcher.backends.containers.master_limits`), reads the run
+secret from a 0400 file of its own user bind-mounted read-only (never its environment), and carries
+``launcher.*`` labels, so :meth:`DockerBackend.find` finds a run's parts even after the launcher itself was
+killed (:func:`teardown` is the one way they go away). Every call to the engine goes through
+:mod:`launcher.engine`.
 """
 
 from __future__ import annotations
@@ -23,26 +25,27 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
-from launcher import docker_client as dc
-from launcher.backends.base import Backend, BackendStatus, PreparedRun, ProcState, ProcStatus
-from launcher.docker_client import ContainerSnapshot, ContainerSpec, Engine
+from launcher.backends.base import Backend, BackendStatus, Event, PreparedRun
+from launcher.backends.containers import (MASTER_PORT, SECRET_MOUNT, Kind, container_user, give_to, group_limits,
+                                          group_name, labels, master_limits, master_name, nano_cpus, network_name,
+                                          secret_path, worker_env, write_secret_file)
+from launcher.backends.docker_run import DockerRun, container_part, container_state, teardown
+from launcher.engine.client import ContainerSpec, Engine, engine_unavailable_reason
+from launcher.engine.errors import ENGINE_RESTART_WINDOW_S, EngineUnreachable, outlast_outage
+from launcher.engine.labels import RUN_LABEL, USER_LABEL
+from launcher.config import RunConfig
 from launcher.errors import BadInput, MissingDependency
-from launcher.placement import Plan, ProcessShare
-from launcher.runs import owner_uid_gid
-from worker.spec import SECRET_ENV, SPEC_ENV, RunSpec
+from launcher.gpu import handover
+from launcher.gpu.placement import Plan
+from launcher.runs import RunDir
+from worker.contract import SECRET_FILE_ENV, SPEC_ENV, RunSpec
 
 log = logging.getLogger(__name__)
 
-MASTER_PORT = 7100  # inside the run's network; every run has its own network, so a fixed port is fine
 RESULTS_MOUNT = "/results"
-# The engine's on-failure back-off is 100 ms doubling per consecutive failure; a group still exited after
-# this long was stopped in a way the policy ignores.
-MANUAL_RESTART_AFTER_S = 5.0
 Progress = Callable[[str], None]
 
 NVIDIA_TOOLKIT_HINT = (
@@ -53,66 +56,11 @@ NVIDIA_TOOLKIT_HINT = (
 )
 
 
-# The image's own unprivileged user (Dockerfile ARG UID). Containers normally run as the invoking user so
-# their files on the bind mount are that user's; a launcher run by root itself (no sudo, so no SUDO_UID to
-# act for) would make that root inside the container, so its containers run as this user instead.
-UNPRIVILEGED_UID_GID = (10001, 10001)
-
-
-def container_user() -> tuple[int, int]:
-    """uid, gid the run's containers run as: the invoking user (``SUDO_UID`` under sudo), never root."""
-    uid, gid = owner_uid_gid()
-    return UNPRIVILEGED_UID_GID if uid == 0 else (uid, gid)
-
-
-def network_name(run_id: str) -> str:
-    return f"launcher-{run_id}"
-
-
-def master_name(run_id: str) -> str:
-    return f"launcher-{run_id}-master"
-
-
-def group_name(run_id: str, index: int) -> str:
-    return f"launcher-{run_id}-group-{index}"
-
-
-def labels(run: PreparedRun, role: str, *, group: int | None = None, gpus: tuple[str, ...] = (),
-           uid: int | None = None) -> dict[str, str]:
-    """The ``launcher.*`` labels of one container (or, with role ``network``, the run's network)."""
-    return {
-        dc.RUN_LABEL: run.run_id,
-        dc.ROLE_LABEL: role,
-        dc.GROUP_LABEL: "" if group is None else str(group),
-        dc.GPUS_LABEL: ",".join(gpus),
-        dc.RESULTS_LABEL: str(run.results_dir.resolve()),
-        dc.USER_LABEL: str(owner_uid_gid()[0] if uid is None else uid),
-    }
-
-
 def container_run_spec(spec: RunSpec) -> RunSpec:
     """The spec as the containers see it: results at /results, the master on 0.0.0.0:7100 of the run's
     network, groups dialling the master container by name."""
     return dataclasses.replace(spec, results_dir=RESULTS_MOUNT, master_host="0.0.0.0", master_port=MASTER_PORT,
                                connect_host=master_name(spec.run_id))
-
-
-def _device_env(share: ProcessShare) -> dict[str, str]:
-    env = {k: v for k, v in share.env.items()}
-    if share.gpu_uuids:
-        env["NVIDIA_VISIBLE_DEVICES"] = ",".join(share.gpu_uuids)
-        env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
-    else:
-        # "void": the NVIDIA runtime, if the engine has one, mounts no GPU at all (not even the default "all").
-        env["NVIDIA_VISIBLE_DEVICES"] = "void"
-        env["CUDA_VISIBLE_DEVICES"] = ""
-    return env
-
-
-def _nano_cpus(cpus: float, limit: int | None) -> int:
-    if limit is not None:
-        cpus = min(cpus, float(limit))
-    return max(0, int(round(cpus * 1e9)))
 
 
 def container_specs(run: PreparedRun, *, image: str, gpu_runtime: bool, uid_gid: tuple[int, int] | None = None,
@@ -129,30 +77,36 @@ def container_specs(run: PreparedRun, *, image: str, gpu_runtime: bool, uid_gid:
             more, and a plan made on this host may meet a remote engine).
     """
     uid, gid = uid_gid or container_user()
-    user = f"{uid}:{gid}"
+    user, net, rid, results = f"{uid}:{gid}", network_name(run.run_id), run.run_id, run.results_dir
     cspec = container_run_spec(run.spec)
-    spec_json = cspec.to_json()
-    net = network_name(run.run_id)
-    base_env = {SPEC_ENV: spec_json, SECRET_ENV: run.secret, "PYTHONUNBUFFERED": "1", "TF_CPP_MIN_LOG_LEVEL": "2",
-                "TF_ENABLE_ONEDNN_OPTS": "0", "MPLBACKEND": "Agg"}
+    # The secret is a file (write_secret_file) bind-mounted read-only: not in the environment or `docker inspect`.
+    secret_env = {SPEC_ENV: cspec.to_json(), SECRET_FILE_ENV: SECRET_MOUNT}
+    secret_bind = {str(secret_path(rid)): SECRET_MOUNT}
     m = run.plan.master
-    menv = {**base_env, **_device_env(m), "LAUNCHER_TF_THREADS": str(max(1, int(m.cpus)))}
+    mlim = master_limits(m)
+    lease = run.reservation if run.reservation is not None and run.reservation.uuids else None
     master = ContainerSpec(
-        name=master_name(run.run_id), image=image, command=("master",), environment=menv,
-        labels=labels(run, "master", gpus=m.gpu_uuids, uid=uid), network=net, user=user,
-        nano_cpus=_nano_cpus(m.cpus, engine_cpus), gpu_uuids=m.gpu_uuids if gpu_runtime else (), restart_max=None,
-        binds={str(run.results_dir.resolve()): RESULTS_MOUNT},
+        name=master_name(rid), image=image, command=("master",),
+        environment={**secret_env, **worker_env(Kind.DOCKER, m, master_addr=None),
+                     **(handover.master_env(lease) if lease else {})},  # the master takes the GPU leases over
+        labels=labels(rid, results, "master", gpus=m.gpu_uuids, uid=uid), network=net, user=user,
+        nano_cpus=nano_cpus(m.cpus, engine_cpus), gpu_uuids=m.gpu_uuids if gpu_runtime else (), restart_max=None,
+        binds={str(results.resolve()): RESULTS_MOUNT},
+        read_only_binds={**(handover.master_mounts(lease) if lease else {}), **secret_bind},
         ports={MASTER_PORT: publish_port} if publish_port is not None else {},
+        memory_bytes=mlim.memory_bytes, pids_limit=mlim.pids,
     )
     groups = []
     for g in run.plan.groups:
-        genv = {**base_env, **_device_env(g.share), "LAUNCHER_MASTER_ADDR": f"{cspec.connect_host}:{MASTER_PORT}",
-                "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "LAUNCHER_TF_THREADS": "1"}
+        env = worker_env(Kind.DOCKER, g.share, master_addr=f"{cspec.connect_host}:{MASTER_PORT}")
+        glim = group_limits(g.share, g.workers)
         groups.append(ContainerSpec(
-            name=group_name(run.run_id, g.index), image=image, command=("group", "--index", str(g.index)),
-            environment=genv, labels=labels(run, "group", group=g.index, gpus=g.share.gpu_uuids, uid=uid),
-            network=net, user=user, nano_cpus=_nano_cpus(g.share.cpus, engine_cpus),
+            name=group_name(rid, g.index), image=image, command=("group", "--index", str(g.index)),
+            environment={**secret_env, **env},
+            labels=labels(rid, results, "group", group=g.index, gpus=g.share.gpu_uuids, uid=uid),
+            network=net, user=user, nano_cpus=nano_cpus(g.share.cpus, engine_cpus),
             gpu_uuids=g.share.gpu_uuids if gpu_runtime else (), restart_max=run.config.restart_budget,
+            read_only_binds=secret_bind, memory_bytes=glim.memory_bytes, pids_limit=glim.pids,
         ))
     return master, groups
 
@@ -166,38 +120,16 @@ def check_gpu_runtime(plan: Plan, runtimes: tuple[str, ...]) -> None:
             hint=NVIDIA_TOOLKIT_HINT)
 
 
-def proc_state(snap: ContainerSnapshot | None, restart_budget: int | None, extra_restarts: int = 0) -> ProcState:
-    """Map a container's Docker state to a :class:`ProcState`.
-
-    A group that exited non-zero with restarts left is RESTARTING: the engine's ``on-failure`` policy starts
-    it again after a short back-off (or, after a ``docker kill``, which the engine counts as a manual stop,
-    :meth:`DockerBackend.poll` does). With the budget spent (``RestartCount`` plus ``extra_restarts``, the
-    backend's own restarts, reached it) it is LOST. A container that vanished (removed behind our back) is
-    LOST too: nothing will bring it back.
-    """
-    if snap is None:
-        return ProcState.LOST
-    if snap.status == "created":
-        return ProcState.STARTING
-    if snap.status in ("running", "paused"):
-        return ProcState.RUNNING
-    if snap.status == "restarting":
-        return ProcState.RESTARTING
-    if snap.exit_code == 0:
-        return ProcState.EXITED
-    if restart_budget is None:
-        return ProcState.FAILED
-    return ProcState.LOST if snap.restart_count + extra_restarts >= restart_budget else ProcState.RESTARTING
-
-
 class DockerBackend(Backend):
     """Runs a :class:`PreparedRun` as containers (like ``docker network create`` + ``docker run`` each)."""
 
     name = "docker"
-    restarts_groups = True
+    restart_grace_s = 5.0  # the engine's on-failure back-off starts at 100 ms and doubles per failure
+    outlives_launcher = True
 
     def __init__(self, image: str | None = None, *, progress: Progress | None = None, engine: Engine | None = None,
-                 gpu_runtime: bool | None = None, publish_port: int | None = None) -> None:
+                 gpu_runtime: bool | None = None, publish_port: int | None = None, build: str = "auto",
+                 on_build: Callable[[Any], None] | None = None) -> None:
         """
         Args:
             image: the worker image; None: :func:`launcher.image.default_tag` of the plan's flavour.
@@ -205,20 +137,23 @@ class DockerBackend(Backend):
             engine: a connected engine (default: ``docker.from_env()`` at start).
             gpu_runtime: override the NVIDIA runtime detection (tests); None: ask the engine.
             publish_port: publish the master's port on the host's 127.0.0.1 (off by default).
+            build: how a missing image is built: ``auto``, ``online`` or ``offline`` (``--build``).
+            on_build: receives a missing image's build progress (``launcher.image_build.BuildStatus``).
         """
         self.image = image
         self.progress = progress or (lambda line: None)
         self._engine = engine
         self.gpu_runtime = gpu_runtime
         self.publish_port = publish_port
+        self.build = build
+        self.on_build = on_build
         self.run: PreparedRun | None = None
         self.ids: dict[str, str] = {}  # container name -> id
         self.group_ids: dict[int, str] = {}
         self.master_id: str | None = None
         self._stopped = False
         self._created = False  # whether this backend created anything on the engine that stop() must remove
-        self._own_restarts: dict[int, int] = {}  # group -> restarts the backend did itself (see poll)
-        self._exited_since: dict[int, float] = {}
+        self._own_restarts: dict[int, int] = {}  # group -> restarts done through restart_group
 
     @property
     def engine(self) -> Engine:
@@ -229,30 +164,15 @@ class DockerBackend(Backend):
     def _image(self, plan: Plan) -> str:
         from launcher import image as image_mod
 
-        if self.image:
-            return self.image
-        flavour = image_mod.Flavour.GPU if plan.gpu_uuids else image_mod.Flavour.CPU
-        return image_mod.default_tag(flavour)
-
-    def _ensure_image(self, plan: Plan) -> str:
-        from launcher import image as image_mod
-
-        name = self._image(plan)
-        if image_mod.image_exists(name, self.engine.client):
-            return name
-        # A host that built the debootstrap base before has no registry, most likely; build offline there too.
-        offline = image_mod.image_exists(image_mod.OFFLINE_BASE_IMAGE, self.engine.client)
-        flavour = image_mod.Flavour.GPU if plan.gpu_uuids else image_mod.Flavour.CPU
-        return image_mod.ensure_image(name, offline=offline, progress=self.progress, flavour=flavour,
-                                      client=self.engine.client)
+        return self.image or image_mod.default_tag(image_mod.flavour_for(bool(plan.gpu_uuids)))
 
     def _check(self, run: PreparedRun) -> None:
         """Everything that can be known before creating anything; all problems at once."""
         runtimes = self.engine.runtimes()
         if self.gpu_runtime is None:
             check_gpu_runtime(run.plan, runtimes)
-        leftovers = self.engine.containers({dc.RUN_LABEL: run.run_id})
-        nets = self.engine.networks({dc.RUN_LABEL: run.run_id})
+        leftovers = self.engine.containers({RUN_LABEL: run.run_id})
+        nets = self.engine.networks({RUN_LABEL: run.run_id})
         if leftovers or nets:
             names = [c.name for c in leftovers] + [n for _, n, _ in nets]
             raise BadInput(f"run {run.run_id} still has containers or a network on the engine: {', '.join(names)}",
@@ -261,19 +181,25 @@ class DockerBackend(Backend):
     def create(self, run: PreparedRun) -> None:
         """Create the network and every container, started none (like ``docker create``). ``start`` calls it;
         tests call it alone to inspect what a plan becomes."""
+        from launcher import image as image_mod
+        from launcher.image_build import ensure_image
+
         self.run = run
         self._check(run)
-        image = self._ensure_image(run.plan)
+        image = ensure_image(self._image(run.plan), mode=self.build, progress=self.progress,
+                             flavour=image_mod.flavour_for(bool(run.plan.gpu_uuids)), client=self.engine.client,
+                             on_build=self.on_build)
         gpu_runtime = self.engine.has_nvidia_runtime() if self.gpu_runtime is None else self.gpu_runtime
         uid, gid = container_user()
-        _give_to(run.results_dir, uid, gid)
+        give_to(run.results_dir, uid, gid)
         master, groups = container_specs(run, image=image, gpu_runtime=gpu_runtime, uid_gid=(uid, gid),
                                          publish_port=self.publish_port, engine_cpus=self.engine.cpu_count())
         # From here on stop() removes the run's parts; a refused start (above) must leave another
         # launcher's containers of the same run alone.
         self._created = True
+        write_secret_file(run.run_id, run.secret, uid, gid)  # teardown removes it with the containers
         # Publishing needs a route out of the network; a private run stays --internal.
-        self.engine.create_network(network_name(run.run_id), labels(run, "network", uid=uid),
+        self.engine.create_network(network_name(run.run_id), labels(run.run_id, run.results_dir, "network", uid=uid),
                                    internal=self.publish_port is None)
         self.master_id = self.engine.create(master)
         self.ids[master.name] = self.master_id
@@ -285,55 +211,49 @@ class DockerBackend(Backend):
     def start(self, run: PreparedRun) -> None:
         self.create(run)
         assert self.master_id is not None
+        master_id = self.master_id
+        # The master takes the run's GPU leases first thing; the launcher lets go of them right before and
+        # confirms from /proc/locks that the master holds them before the groups start (launcher.gpu.handover).
+        lease = run.reservation if run.reservation is not None and run.reservation.uuids else None
+        where = handover.lease_dir_of(lease) if lease else None
+        uuids = handover.hand_over(lease) if lease else ()
         # Groups start with the master: they dial with back-off until it listens (it imports TF first).
-        self.engine.start(self.master_id)
+        self.engine.start(master_id)
+        if uuids:
+            def exit_code() -> int | None:
+                c = self.engine.inspect(master_id)
+                return -1 if c is None else c.exit_code
+            handover.confirm_held_by_container(uuids, master_id, exit_code=exit_code, where=where)
         for cid in self.group_ids.values():
             self.engine.start(cid)
         log.info("started run %s: master %s and %d group containers on network %s", run.run_id,
                  self.master_id[:12], len(self.group_ids), network_name(run.run_id))
 
     def poll(self) -> BackendStatus:
-        """The master's and each group's state from ``docker inspect``; restarts counted by the engine.
-
-        A group that stays exited with a non-zero code and budget left for ``MANUAL_RESTART_AFTER_S`` was
-        stopped in a way the restart policy ignores (``docker kill`` counts as a manual stop); the backend
-        then starts it itself and counts that restart against the same budget.
-        """
-        assert self.run is not None and self.master_id is not None
-        budget = self.run.config.restart_budget
-        mstate = self._snap_status("master", self.engine.inspect(self.master_id), None, 0)
-        groups = {}
-        for i, cid in self.group_ids.items():
-            snap = self.engine.inspect(cid)
-            own = self._own_restarts.get(i, 0)
-            st = self._snap_status(f"group-{i}", snap, budget, own)
-            if snap is not None and snap.status in ("exited", "dead") and st.state == ProcState.RESTARTING:
-                first = self._exited_since.setdefault(i, time.monotonic())
-                if time.monotonic() - first > MANUAL_RESTART_AFTER_S:
-                    log.info("group %d stayed exited (code %s); starting it again", i, snap.exit_code)
-                    self._own_restarts[i] = own + 1
-                    self._exited_since.pop(i, None)
-                    self.engine.start(cid)
-                    st.restarts += 1
-            else:
-                self._exited_since.pop(i, None)
-            groups[i] = st
-        return BackendStatus(mstate, groups)
-
-    @staticmethod
-    def _snap_status(name: str, snap: ContainerSnapshot | None, budget: int | None, own: int) -> ProcStatus:
-        return ProcStatus(name, proc_state(snap, budget, own), None if snap is None else snap.exit_code,
-                          own + (0 if snap is None else snap.restart_count), "" if snap is None else snap.short_id)
+        """The master's and each group's state from ``docker inspect``; restarts as the engine counts them plus
+        the supervisor's own. Only reads."""
+        assert self.master_id is not None
+        return BackendStatus(container_part("master", self.engine.inspect(self.master_id)),
+                             {i: container_part(f"group-{i}", self.engine.inspect(cid), self._own_restarts.get(i, 0))
+                              for i, cid in self.group_ids.items()})
 
     def restart_group(self, index: int) -> None:
-        """Restart group ``index`` (like ``docker restart``). The engine's policy normally does this itself."""
-        self.engine.restart(self.group_ids[index])
+        """Start group ``index``'s exited container again (like ``docker start``)."""
+        self._own_restarts[index] = self._own_restarts.get(index, 0) + 1
+        self.engine.start(self.group_ids[index])
 
     def stop(self, *, grace_s: float = 8.0) -> None:
         if self._stopped or self.run is None or not self._created:
             return
         self._stopped = True
-        teardown(self.engine, self.run.run_id, grace_s=grace_s, logs_dir=self.run.run_dir.files.logs)
+        run = self.run
+
+        def again(exc: EngineUnreachable) -> None:
+            log.warning("%s; waiting for the engine to remove run %s", exc.message, run.run_id)
+
+        # An engine restarting right now is waited for: its containers and network must still go.
+        outlast_outage(lambda: teardown(self.engine, run.run_id, grace_s=grace_s, run_dir=run.run_dir),
+                       window_s=ENGINE_RESTART_WINDOW_S, poll_s=2.0, on_wait=again)
 
     def describe(self) -> dict[str, Any]:
         d: dict[str, Any] = {"backend": self.name, "launcher_pid": os.getpid()}
@@ -342,86 +262,42 @@ class DockerBackend(Backend):
                      containers={name: cid[:12] for name, cid in self.ids.items()})
         return d
 
+    @classmethod
+    def from_config(cls, cfg: RunConfig, *, on_event: Event | None = None) -> "DockerBackend":
+        if on_event is None:
+            return cls(image=cfg.image, build=cfg.build)
+        return cls(image=cfg.image, build=cfg.build, progress=lambda line: on_event("event", {"message": line}),
+                   on_build=lambda st: on_event("build", st.to_dict()))
 
-def _give_to(path: Path, uid: int, gid: int) -> None:
-    """Make the results directory the invoking user's when the launcher runs as root for someone (sudo):
-    the containers run as that user and must write there."""
-    if os.geteuid() != 0 or uid == 0:
-        return
-    for p in (path, *path.rglob("*")):
+    @classmethod
+    def preflight(cls, plan: Plan) -> None:
+        """An engine that answers and, for a plan on GPUs, its NVIDIA runtime (like ``docker info``)."""
+        engine = Engine()
         try:
-            os.chown(p, uid, gid, follow_symlinks=False)
-        except OSError as exc:
-            log.warning("cannot hand %s to uid %d: %s", p, uid, exc)
+            check_gpu_runtime(plan, engine.runtimes())
+        finally:
+            engine.close()
 
+    @classmethod
+    def find(cls, run_id: str, run_dir: RunDir | None, record: dict[str, Any]) -> "DockerRun":
+        return DockerRun(run_id, run_dir, record)
 
-def save_logs(engine: Engine, snaps: list[ContainerSnapshot], logs_dir: Path) -> list[Path]:
-    """Append each container's whole output (all its restarts) to ``logs_dir/<role>.log`` before the container
-    is removed: the engine's copy goes with it. Returns the files written."""
-    written: list[Path] = []
-    try:
-        logs_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        log.warning("cannot keep container logs in %s: %s", logs_dir, exc)
-        return written
-    uid = os.geteuid()
-    for s in snaps:
-        role = s.labels.get(dc.ROLE_LABEL, "")
-        fname = "master.log" if role == "master" else f"group-{s.labels.get(dc.GROUP_LABEL, s.short_id)}.log"
-        path = logs_dir / fname
-        data = engine.logs(s.id)
-        header = (f"--- launcher: output of container {s.name} ({s.short_id}), {s.restart_count} restart(s), "
-                  f"ended {s.status} exit {s.exit_code} ---\n").encode()
+    @classmethod
+    def live_run_ids(cls, root: Path, *, user: str | None) -> set[str]:
+        """Every run with a labelled container or network on the engine (none when no engine answers)."""
+        if engine_unavailable_reason() is not None:
+            return set()
+        engine = Engine()
         try:
-            with open(path, "ab") as fh:
-                fh.write(header + data)
-            owner = s.labels.get(dc.USER_LABEL, "")
-            if uid == 0 and owner.isdigit() and int(owner) != 0:
-                os.chown(path, int(owner), logs_dir.stat().st_gid)
-        except OSError as exc:
-            log.warning("cannot write %s: %s", path, exc)
-            continue
-        written.append(path)
-    return written
+            flt: dict[str, str | None] = {RUN_LABEL: None}
+            if user is not None:
+                flt[USER_LABEL] = user
+            rids = {c.labels.get(RUN_LABEL, "") for c in engine.containers(flt)}
+            rids |= {lab.get(RUN_LABEL, "") for _, _, lab in engine.networks(flt)}
+        finally:
+            engine.close()
+        return {r for r in rids if r}
 
 
-def teardown(engine: Engine, run_id: str | None, *, grace_s: float = 8.0, logs_dir: Path | None = None,
-             user: str | None = None) -> list[ContainerSnapshot]:
-    """Stop and remove every container and network of ``run_id`` (None: of every run), found by label.
-
-    The master gets SIGTERM first and ``grace_s`` seconds to checkpoint and tell its groups to stop (like
-    ``docker stop -t``); then the groups; each container's output is appended to the run's ``logs/``
-    (``logs_dir``, or the ``launcher.results`` label's directory) before it is removed. Results stay.
-    Idempotent. ``user``: only runs labelled with this uid. Returns the containers it found.
-    """
-    flt: dict[str, str | None] = {dc.RUN_LABEL: run_id}
-    if user is not None:
-        flt[dc.USER_LABEL] = user
-    snaps = engine.containers(flt)
-    masters = [s for s in snaps if s.labels.get(dc.ROLE_LABEL) == "master"]
-    others = [s for s in snaps if s not in masters]
-    with ThreadPoolExecutor(max_workers=8) as pool:
-        list(pool.map(lambda s: engine.stop(s.id, max(1.0, grace_s - 2.0)), masters))
-        list(pool.map(lambda s: engine.stop(s.id, 2.0), others))
-    final = [engine.inspect(s.id) or s for s in snaps]
-    by_run: dict[str, list[ContainerSnapshot]] = {}
-    for s in final:
-        by_run.setdefault(s.labels.get(dc.RUN_LABEL, "?"), []).append(s)
-    for rid, group in by_run.items():
-        target = logs_dir if logs_dir is not None and rid == run_id else None
-        if target is None and group[0].labels.get(dc.RESULTS_LABEL):
-            target = Path(group[0].labels[dc.RESULTS_LABEL]) / "logs"
-        if target is not None and Path(target).parent.is_dir():
-            save_logs(engine, group, Path(target))
-    for s in final:
-        engine.remove(s.id)
-    engine.wait_removed([s.id for s in final])
-    for nid, name, _ in engine.networks(flt):
-        engine.remove_network(nid)
-    return final
-
-
-def engine_unavailable_reason() -> str | None:
-    """None when a Docker engine answers (cheap ping, short timeout), else why not, with DOCKER_HOST."""
-    return dc.engine_unavailable_reason()
-
+__all__ = ["DockerBackend", "DockerRun", "check_gpu_runtime", "container_part", "container_specs", "container_state",
+           "teardown"]

@@ -3,7 +3,11 @@
 Children are fresh interpreters (``python -m worker ...``: the spawn model, nothing forked from a
 process that imported TensorFlow), each in its own process group so a terminal's Ctrl-C reaches only
 the launcher, which then tears down in order. Each child also asks the kernel for SIGTERM when the
-launcher dies (``PR_SET_PDEATHSIG``), so even a ``kill -9`` of the launcher leaves no orphans.
+launcher dies (``PR_SET_PDEATHSIG``), and a tiny reaper (:mod:`launcher.reaper`) SIGKILLs any that still run
+:data:`ORPHAN_GRACE_S` later, so even a ``kill -9`` of the launcher leaves no orphans, stuck ones included.
+
+The run secret reaches each child through an inherited pipe (``LAUNCHER_SECRET_FILE=/dev/fd/N``), never its
+environment. Each child's log is opened without following links and rotated past :data:`LOG_CAP_BYTES`.
 
 The launcher binds the master's listening socket itself and hands it over (``pass_fds``): its port is
 known before the master has imported TensorFlow, so the groups start at the same time and dial at once.
@@ -20,16 +24,22 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
-from launcher.backends.base import Backend, BackendStatus, PreparedRun, ProcState, ProcStatus
+from launcher import safefs
+from launcher.backends.base import Backend, BackendStatus, DownReport, FoundRun, Part, PartState, PreparedRun
+from launcher.backends.containers import Kind, worker_env
 from launcher.errors import BadInput
-from worker.master import LISTEN_FD_ENV
-from worker.spec import SECRET_ENV
+from launcher.procs import belongs, identity, launcher_record, send_signal, wait_gone
+from launcher.safefs import distrust
+from launcher.runs import RunDir, list_runs
+from worker.contract import LISTEN_FD_ENV, MASTER_LOG, SECRET_FILE_ENV, group_log_name
 
 log = logging.getLogger(__name__)
 
 PR_SET_PDEATHSIG = 1
+ORPHAN_GRACE_S = 10.0  # a master gets SIGTERM when the launcher dies, checkpoints in well under this, then SIGKILL
+LOG_CAP_BYTES = 64 * 1024 * 1024  # per child log; one rotated copy (.1) is kept beside it
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec
@@ -40,21 +50,73 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
 
 
 class _Child:
-    def __init__(self, name: str, argv: list[str], env: dict[str, str], log_path: Path, pass_fds: tuple[int, ...] = ()):
+    """One child process and its log: ``logs/<name>.log`` opened through :mod:`launcher.safefs` (never through
+    a link), kept at most :data:`LOG_CAP_BYTES` (then copied to ``<name>.log.1`` and truncated)."""
+
+    def __init__(self, name: str, argv: list[str], env: dict[str, str], log_path: Path, pass_fds: tuple[int, ...] = (),
+                 secret: str = ""):
         self.name = name
         self.argv = argv
         self.env = env
         self.log_path = log_path
         self.pass_fds = pass_fds
+        self.secret = secret
         self.proc: subprocess.Popen[bytes] | None = None
         self.restarts = 0
-        self._log: IO[bytes] | None = None
+        self._log: int | None = None
+
+    @property
+    def _where(self) -> tuple[Path, str]:
+        return self.log_path.parent.parent, f"{self.log_path.parent.name}/{self.log_path.name}"
+
+    def open_log(self) -> int:
+        if self._log is None:
+            self._log = safefs.open_append(*self._where)
+        return self._log
 
     def start(self) -> None:
-        self._log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(self.argv, env=self.env, stdin=subprocess.DEVNULL, stdout=self._log,
-                                     stderr=subprocess.STDOUT, pass_fds=self.pass_fds, process_group=0,
-                                     preexec_fn=_die_with_parent, close_fds=True)
+        """Start it (like ``subprocess.Popen``) with the run secret in a pipe it inherits: the secret is in no
+        environment (``/proc/<pid>/environ``), argv or file; the child reads ``/dev/fd/N`` to its end."""
+        log_fd = self.open_log()
+        env, fds, secret_r = dict(self.env), self.pass_fds, None
+        if self.secret:
+            secret_r, w = os.pipe()
+            os.write(w, self.secret.encode())  # 64 bytes: far below a pipe's buffer
+            os.close(w)
+            env[SECRET_FILE_ENV] = f"/dev/fd/{secret_r}"
+            fds = (*fds, secret_r)
+        try:
+            self.proc = subprocess.Popen(self.argv, env=env, stdin=subprocess.DEVNULL, stdout=log_fd,
+                                         stderr=subprocess.STDOUT, pass_fds=fds, process_group=0,
+                                         preexec_fn=_die_with_parent, close_fds=True)
+        finally:
+            if secret_r is not None:
+                os.close(secret_r)
+
+    def cap_log(self, cap_bytes: int) -> bool:
+        """Copy the log to ``<name>.log.1`` and truncate it once it passes ``cap_bytes`` (the child appends, so
+        it carries on at the new start). Returns whether it did."""
+        if self._log is None or os.fstat(self._log).st_size <= cap_bytes:
+            return False
+        root, rel = self._where
+        src = out = None
+        try:
+            src = safefs.open_beneath(root, rel, os.O_RDONLY)
+            out = safefs.open_beneath(root, rel + ".1", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            offset = 0
+            while chunk := os.pread(src, 1 << 20, offset):
+                os.write(out, chunk)
+                offset += len(chunk)
+        except OSError as exc:  # the cap holds anyway: the earlier part is lost rather than kept
+            log.warning("cannot keep the earlier part of %s: %s", self.log_path, exc)
+        finally:
+            for fd in (src, out):
+                if fd is not None:
+                    os.close(fd)
+        os.ftruncate(self._log, 0)
+        os.write(self._log, f"--- launcher: {self.name}.log passed {cap_bytes} bytes; the earlier part is in "
+                            f"{self.log_path.name}.1 ---\n".encode())
+        return True
 
     def exit_code(self) -> int | None:
         return None if self.proc is None else self.proc.poll()
@@ -68,28 +130,69 @@ class _Child:
 
     def close_log(self) -> None:
         if self._log is not None:
-            self._log.close()
+            os.close(self._log)
             self._log = None
+
+
+class _Reaper:
+    """The run's :mod:`launcher.reaper`: told every child's process group; SIGKILLs them ``grace_s`` after the
+    launcher's death if SIGTERM (``PR_SET_PDEATHSIG``) did not end them."""
+
+    def __init__(self, python: str, grace_s: float, stderr: int) -> None:
+        self.proc = subprocess.Popen([python, "-m", "launcher.reaper", f"{grace_s:g}"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True, close_fds=True)
+
+    def watch(self, pid: int) -> None:
+        ticks = identity(pid).get("start")
+        if ticks is not None and self.proc.stdin is not None:
+            try:
+                self.proc.stdin.write(f"{pid} {ticks}\n".encode())
+                self.proc.stdin.flush()
+            except OSError:
+                pass
+
+    def done(self) -> None:
+        """The launcher stopped its children itself: the reaper exits at once."""
+        try:
+            if self.proc.stdin is not None:
+                self.proc.stdin.write(b"done\n")
+                self.proc.stdin.close()
+            self.proc.wait(timeout=5)
+        except (OSError, subprocess.TimeoutExpired):
+            self.proc.kill()
 
 
 class ProcessBackend(Backend):
     """Runs a :class:`PreparedRun` as local processes."""
 
     name = "process"
-    restarts_groups = False
 
-    def __init__(self, python: str | None = None) -> None:
+    def __init__(self, python: str | None = None, *, orphan_grace_s: float = ORPHAN_GRACE_S,
+                 log_cap_bytes: int = LOG_CAP_BYTES) -> None:
+        """
+        Args:
+            python: the interpreter the children run (default: this one).
+            orphan_grace_s: seconds a child may outlive a dead launcher after its SIGTERM before the reaper
+                SIGKILLs it.
+            log_cap_bytes: a child's log is rotated (one ``.1`` kept) past this size.
+        """
         self.python = python or sys.executable
+        self.orphan_grace_s = orphan_grace_s
+        self.log_cap_bytes = log_cap_bytes
+        self._reaper: _Reaper | None = None
         self.master: _Child | None = None
         self.groups: dict[int, _Child] = {}
         self.run: PreparedRun | None = None
         self._sock: socket.socket | None = None
 
-    def _base_env(self, run: PreparedRun) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("LAUNCHER_")}
-        env.update({SECRET_ENV: run.secret, "PYTHONUNBUFFERED": "1", "TF_CPP_MIN_LOG_LEVEL": "2",
-                    "TF_ENABLE_ONEDNN_OPTS": "0", "MPLBACKEND": "Agg"})
-        return env
+    def _env(self, run: PreparedRun) -> dict[str, str]:
+        """This launcher's environment without its own ``LAUNCHER_*`` settings (the secret goes in a pipe)."""
+        return {k: v for k, v in os.environ.items() if not k.startswith("LAUNCHER_")}
+
+    def _start_child(self, child: _Child) -> None:
+        child.start()
+        if self._reaper is not None and child.proc is not None:
+            self._reaper.watch(child.proc.pid)
 
     def start(self, run: PreparedRun) -> None:
         self.run = run
@@ -108,23 +211,21 @@ class ProcessBackend(Backend):
         logs = run.run_dir.files.logs
         logs.mkdir(exist_ok=True)
         worker = [self.python, "-m", "worker"]
-        menv = self._base_env(run)
-        menv.update({k: v for k, v in run.plan.master.env.items() if k != "NVIDIA_VISIBLE_DEVICES"})
-        menv["CUDA_VISIBLE_DEVICES"] = ",".join(run.plan.master.gpu_uuids)
-        menv[LISTEN_FD_ENV] = str(sock.fileno())
-        menv["LAUNCHER_TF_THREADS"] = str(max(1, int(run.plan.master.cpus)))
-        self.master = _Child("master", [*worker, "master", "--spec", str(spec_path)], menv, logs / "master.log",
-                             pass_fds=(sock.fileno(),))
-        self.master.start()
+        menv = {**self._env(run), **worker_env(Kind.PROCESS, run.plan.master, master_addr=None),
+                LISTEN_FD_ENV: str(sock.fileno())}
+        # The master inherits the run's GPU leases too (launcher.gpu.handover): if the launcher is killed they
+        # stay held while the master checkpoints and exits.
+        leases = run.reservation.fds if run.reservation is not None else ()
+        self.master = _Child("master", [*worker, "master", "--spec", str(spec_path)], menv, logs / MASTER_LOG,
+                             pass_fds=(sock.fileno(), *leases), secret=run.secret)
+        self._reaper = _Reaper(self.python, self.orphan_grace_s, self.master.open_log())
+        self._start_child(self.master)
         for g in run.plan.groups:
-            genv = self._base_env(run)
-            genv.update({k: v for k, v in g.share.env.items() if k != "NVIDIA_VISIBLE_DEVICES"})
-            genv["CUDA_VISIBLE_DEVICES"] = ",".join(g.share.gpu_uuids)
-            genv.update({"LAUNCHER_MASTER_ADDR": f"{run.spec.connect_host}:{port}", "OMP_NUM_THREADS": "1",
-                         "OPENBLAS_NUM_THREADS": "1", "LAUNCHER_TF_THREADS": "1"})
+            genv = {**self._env(run),
+                    **worker_env(Kind.PROCESS, g.share, master_addr=f"{run.spec.connect_host}:{port}")}
             child = _Child(f"group-{g.index}", [*worker, "group", "--index", str(g.index), "--spec", str(spec_path)],
-                           genv, logs / f"group-{g.index}.log")
-            child.start()
+                           genv, logs / group_log_name(g.index), secret=run.secret)
+            self._start_child(child)
             self.groups[g.index] = child
         # The master holds its own copy of the listening socket now.
         sock.close()
@@ -132,29 +233,30 @@ class ProcessBackend(Backend):
         log.info("started master (pid %s) and %d groups on 127.0.0.1:%d", self.master.proc and self.master.proc.pid,
                  len(self.groups), port)
 
-    def _status(self, child: _Child, budget_spent: bool = False) -> ProcStatus:
+    @staticmethod
+    def _part(child: _Child) -> Part:
         code = child.exit_code()
         if child.proc is None:
-            state = ProcState.STARTING
+            state = PartState.STARTING
         elif code is None:
-            state = ProcState.RUNNING
-        elif code == 0:
-            state = ProcState.EXITED
+            state = PartState.RUNNING
         else:
-            state = ProcState.FAILED
-        return ProcStatus(child.name, state, code, child.restarts, str(child.proc.pid if child.proc else ""))
+            state = PartState.EXITED if code == 0 else PartState.FAILED
+        return Part(child.name, state, code, child.restarts, str(child.proc.pid if child.proc else ""))
 
     def poll(self) -> BackendStatus:
+        """Each child's state from ``waitpid``. Also keeps each log under its cap (the one write here: the
+        children cannot rotate their own output, and a flood of refused connections grows the master's)."""
         assert self.master is not None
-        return BackendStatus(self._status(self.master), {i: self._status(c) for i, c in self.groups.items()})
+        for c in [self.master, *self.groups.values()]:
+            c.cap_log(self.log_cap_bytes)
+        return BackendStatus(self._part(self.master), {i: self._part(c) for i, c in self.groups.items()})
 
     def restart_group(self, index: int) -> None:
         child = self.groups[index]
-        child.close_log()
         child.restarts += 1
-        with open(child.log_path, "ab") as fh:
-            fh.write(f"--- launcher: restarting {child.name} (restart {child.restarts}) ---\n".encode())
-        child.start()
+        os.write(child.open_log(), f"--- launcher: restarting {child.name} (restart {child.restarts}) ---\n".encode())
+        self._start_child(child)
 
     def stop(self, *, grace_s: float = 8.0) -> None:
         deadline = time.monotonic() + grace_s
@@ -177,6 +279,9 @@ class ProcessBackend(Backend):
                 except subprocess.TimeoutExpired:
                     pass
             c.close_log()
+        if self._reaper is not None:
+            self._reaper.done()
+            self._reaper = None
         if self._sock is not None:
             self._sock.close()
 
@@ -187,4 +292,80 @@ class ProcessBackend(Backend):
 
     def describe(self) -> dict[str, Any]:
         pids = {c.name: c.proc.pid for c in ([self.master] if self.master else []) + list(self.groups.values()) if c.proc}
-        return {"backend": self.name, "pids": pids, "launcher_pid": os.getpid()}
+        starts = {name: identity(pid).get("start") for name, pid in pids.items()}
+        return {"backend": self.name, "pids": pids, "starts": starts, **launcher_record()}
+
+    @classmethod
+    def find(cls, run_id: str, run_dir: RunDir | None, record: dict[str, Any]) -> "ProcessRun":
+        return ProcessRun(run_id, run_dir, record)
+
+    @classmethod
+    def live_run_ids(cls, root: Path, *, user: str | None) -> set[str]:
+        """Process runs under ``root`` whose children or launcher still run."""
+        out = set()
+        for rd in list_runs(root):
+            rec = rd.read_record()
+            if rec.get("backend") == cls.name and ProcessRun(rd.run_id, rd, rec).anything_alive():
+                out.add(rd.run_id)
+        return out
+
+
+class ProcessRun(FoundRun):
+    """A process run found again: the pids its record names, each trusted only while its command line still
+    names the run. Its output is in the run's ``logs/`` files (the children write there)."""
+
+    backend = "process"
+
+    def _pids(self) -> dict[str, int]:
+        return {name: int(pid) for name, pid in (self.record.get("pids") or {}).items()
+                if isinstance(pid, int) or str(pid).isdigit()}
+
+    def _owner(self) -> int | None:
+        """The uid the run's processes must run as: its directory's owner. -1 (nobody) when that directory
+        is not to be trusted (a link, writable by everyone) or cannot be read."""
+        if self.run_dir is None:
+            return -1
+        if (why := distrust(self.run_dir.path)) is not None:
+            log.warning("not trusting the pids in %s: the directory %s", self.run_dir.record, why)
+            return -1
+        return os.stat(self.run_dir.path).st_uid
+
+    def _belongs(self, name: str, pid: int) -> bool:
+        """Whether ``pid`` is still this run's ``name`` (:func:`launcher.procs.belongs`)."""
+        start = (self.record.get("starts") or {}).get(name)
+        return belongs(pid, self.run_id, start=start if isinstance(start, int) else None, owner_uid=self._owner(),
+                       leader=True)
+
+    def anything_alive(self) -> bool:
+        """Whether a child of the run, or its launcher, still runs."""
+        if any(self._belongs(n, p) for n, p in self._pids().items()):
+            return True
+        start = self.record.get("launcher_start")
+        return belongs(int(self.record.get("launcher_pid") or 0), "launcher",
+                       start=start if isinstance(start, int) else None, owner_uid=None, leader=False)
+
+    def parts(self) -> list[Part]:
+        parts = []
+        for name, pid in sorted(self._pids().items(), key=lambda kv: (kv[0] != "master", kv[0])):
+            alive = self._belongs(name, pid)
+            parts.append(Part(name, PartState.RUNNING if alive else PartState.EXITED, ident=str(pid),
+                              status="alive" if alive else "gone"))
+        return parts
+
+    def down(self, report: DownReport, *, grace_s: float) -> None:
+        """SIGTERM to each child's process group, the master first (it checkpoints), SIGKILL after that."""
+        alive = {n: p for n, p in self._pids().items() if self._belongs(n, p)}
+        if not alive:
+            return
+        if "master" in alive:
+            send_signal(alive["master"], signal.SIGTERM, group=True)
+            wait_gone([(alive["master"], self.run_id)], max(1.0, grace_s - 2.0))
+        for name, pid in alive.items():
+            if name != "master":
+                send_signal(pid, signal.SIGTERM, group=True)
+        wait_gone([(p, self.run_id) for p in alive.values()], 3.0)
+        for name, pid in alive.items():
+            if self._belongs(name, pid):  # checked again right before the SIGKILL: still the same process
+                log.warning("pid %d did not exit on SIGTERM; killing it", pid)
+                send_signal(pid, signal.SIGKILL, group=True)
+        report.pids = sorted(alive.values())

@@ -7,7 +7,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from launcher.image import BuildOptions, Flavour, build_image, default_tag, find_context, push_image
+from launcher.image import BuildOptions, Flavour, choose_build_path, default_tag, find_context
+from launcher.image_build import build_image, push_image
 
 
 def register(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
@@ -16,7 +17,8 @@ def register(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") 
         help="build the worker image (TensorFlow + this project)",
         description="Build the worker image. --online uses python:3.11-slim-bookworm and the package index; "
         "--offline needs neither a registry nor PyPI inside the build: it debootstraps a base image "
-        "(root or sudo) and downloads wheels on the host first. See docs/image.md.",
+        "(root or sudo) and downloads wheels on the host first. With neither, the path that can work here is "
+        "picked in seconds (online when a registry answers). See docs/image.md.",
     )
     parser.add_argument("--tag", help="image reference to create (default: launcher:VERSION-cpu or -gpu)")
     flavour = parser.add_mutually_exclusive_group()
@@ -31,13 +33,13 @@ def register(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") 
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--offline", dest="offline", action="store_true",
                       help="no registry, no index inside the build (needs debootstrap and root/sudo once)")
-    mode.add_argument("--online", dest="offline", action="store_false", help="pull the base, use PyPI (default)")
+    mode.add_argument("--online", dest="offline", action="store_false", help="pull the base, use PyPI")
     parser.add_argument("--push", metavar="REGISTRY",
                         help="after building, tag as REGISTRY/launcher:TAG and push (e.g. registry.local:5000)")
     parser.add_argument("--no-cache", action="store_true", help="rebuild every layer")
     parser.add_argument("--context", type=Path, metavar="DIR",
                         help="directory with the Dockerfile (default: this source tree)")
-    parser.set_defaults(func=run, flavour=Flavour.CPU, offline=False)
+    parser.set_defaults(func=run, flavour=Flavour.CPU, offline=None)
 
 
 def options_from_args(args: argparse.Namespace) -> BuildOptions:
@@ -46,7 +48,7 @@ def options_from_args(args: argparse.Namespace) -> BuildOptions:
     return BuildOptions(
         tag=args.tag or default_tag(flavour),
         flavour=flavour,
-        offline=args.offline,
+        offline=bool(args.offline),
         base_image=args.base_image,
         context=args.context if args.context is not None else find_context(),
         no_cache=args.no_cache,
@@ -60,6 +62,15 @@ def _progress(line: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     options = options_from_args(args)
+    if args.offline is None:  # neither flag: the path that can work on this host
+        from dataclasses import replace
+
+        from launcher.engine import connect_client
+
+        client = connect_client()
+        path = choose_build_path("auto", options, client)
+        _progress(f"building {'offline' if path.offline else 'online'}: {path.why}")
+        options = replace(options, offline=path.offline)
     result = build_image(options, _progress)
     reference = push_image(result.tag, args.push, _progress) if args.push else result.tag
     sys.stdout.write(reference + "\n")

@@ -12,7 +12,7 @@ from launcher import __version__
 from launcher.errors import ExitCode, LauncherError
 
 # Command modules, in the order `launcher --help` lists them. A module that fails to import is a bug.
-COMMANDS = ("up", "status", "logs", "down", "runs", "gpus", "plan", "build", "eval", "config")
+COMMANDS = ("up", "status", "logs", "down", "runs", "gpus", "plan", "build", "eval", "config", "admin")
 
 
 class _Parser(argparse.ArgumentParser):

@@ -46,8 +46,12 @@ def format_view(v: RunView) -> str:
     for p in v.parts:
         extra = "".join([f" exit {p.exit_code}" if p.exit_code is not None else "",
                          f" health {p.health}" if p.health else "",
-                         f" restarts {p.restarts}" if p.restarts else ""])
-        lines.append(f"    {p.name:<10} {p.state:<11} {p.ident}{extra}")
+                         f" restarts {p.restarts}" if p.restarts else "",
+                         f" on {p.node}" if p.node else "", f" ({p.lost})" if p.lost else ""])
+        lines.append(f"    {p.name:<10} {p.word:<11} {p.ident}{extra}")
+    for f in d["foreign_processes"] if v.live else []:  # from the supervisor's GPU watch (run.json)
+        lines.append(f"  FOREIGN     pid {f['pid']} ({f['user'] or '?'}) on GPU {f['gpu_index']} ({f['gpu_uuid']}), "
+                     f"not part of this run")
     return "\n".join(lines)
 
 

@@ -17,16 +17,19 @@ from launcher import __version__
 from launcher.config import DEFAULTS, OPTIONS, RunConfig, load_config, parse_hparam
 from launcher.errors import BadInput
 from launcher.schemas import RESULT_SCHEMA
+from worker.contract import RESULT_FILE
 
 _EPILOG = ("Every option can also be set in launcher.toml ([up] table, key = flag name) or as LAUNCHER_<NAME> "
            "(e.g. LAUNCHER_MAX_STEPS); flags override the environment, which overrides the file. "
            "`launcher config show` prints the result. Exit codes: docs/operator.md.")
 
 
-def add_up_options(p: argparse.ArgumentParser, *, exclude: tuple[str, ...] = ()) -> None:
-    """The ``up`` options (shared with ``launcher config show``). Every default is None: "not given"."""
+def add_up_options(p: argparse.ArgumentParser, *, exclude: tuple[str, ...] = (),
+                   only: tuple[str, ...] | None = None) -> None:
+    """The ``up`` options (shared with ``launcher config show``; ``launcher plan`` takes ``only`` the
+    placement ones, and no ``--set``). Every default is None: "not given"."""
     for opt in OPTIONS:
-        if opt.name in exclude:
+        if opt.name in exclude or (only is not None and opt.name not in only):
             continue
         default = getattr(DEFAULTS, opt.field)
         shown = "none" if default is None else default
@@ -34,11 +37,13 @@ def add_up_options(p: argparse.ArgumentParser, *, exclude: tuple[str, ...] = ())
             p.add_argument(opt.flag, dest=opt.field, action="store_const", const=True, default=None,
                            help=f"{opt.help} [env {opt.env_var}]")
         else:
+            optional_value: dict[str, Any] = {"nargs": "?", "const": opt.const} if opt.const else {}
             p.add_argument(opt.flag, dest=opt.field, default=None, metavar=opt.metavar,
-                           choices=opt.choices or None,
+                           choices=opt.choices or None, **optional_value,
                            help=f"{opt.help} [{shown}; env {opt.env_var}]".replace("%", "%%"))
-    p.add_argument("--set", dest="hparams", action="append", default=None, metavar="KEY=VALUE",
-                   help="algorithm hyper-parameter, e.g. --set lr=3e-4 (repeatable; file: [up.hparams])")
+    if only is None:
+        p.add_argument("--set", dest="hparams", action="append", default=None, metavar="KEY=VALUE",
+                       help="algorithm hyper-parameter, e.g. --set lr=3e-4 (repeatable; file: [up.hparams])")
     p.add_argument("--config", default=None, metavar="FILE",
                    help="TOML config file [./launcher.toml if present; env LAUNCHER_CONFIG]")
 
@@ -93,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
         result = up(cfg, on_event=reporter)
         results_dir = cfg.results / result.run_id
         doc = result_document(result, results_dir)
-        atomic_write_json(results_dir / "result.json", doc)
+        atomic_write_json(results_dir / RESULT_FILE, doc)
         reporter("result", doc)
     finally:
         reporter.close()

@@ -1,12 +1,17 @@
 """GPU inventory: the one module that talks to NVML.
 
-Every NVML call in the launcher goes through here (nvitop's ``api/libnvml.py`` is the model). NVML is
-initialised once per process on first use and shut down at exit; readings come back as frozen
-dataclasses with units in their names, so selection and placement work on plain data.
+Every NVML call in the launcher goes through here (nvitop's ``api/libnvml.py`` is the model). Readings come
+back as the frozen dataclasses of :mod:`launcher.gpu.snapshots` (re-exported here) with units in their names,
+so selection and placement work on plain data.
 
 A machine without the NVIDIA library or driver is not an error here: :func:`read_inventory` returns an
 :class:`Inventory` with no GPUs, a one-line ``unavailable_reason`` and a ``hint``. A GPU that fails
 (``GPU is lost``, ``Unknown Error``) is reported in ``Inventory.errors`` and left out of ``gpus``.
+
+A driver that hangs is an error: the whole query sequence runs in a helper process under a deadline
+(:mod:`launcher.gpu.nvml_call`), and :func:`read_inventory` raises :class:`~launcher.gpu.nvml_call.NvmlTimeout`
+(exit 6) instead of hanging. NVML is initialised once in that helper (on first use, shut down when it stops),
+never in the launcher itself; every call goes through :func:`_q`, which tells the deadline which call runs.
 
 Similar to ``nvidia-smi --query-gpu=index,uuid,name,pci.bus_id,memory.total,memory.used,memory.free,
 utilization.gpu,utilization.memory,mig.mode.current --format=csv`` plus ``--query-compute-apps``.
@@ -14,15 +19,17 @@ utilization.gpu,utilization.memory,mig.mode.current --format=csv`` plus ``--quer
 
 from __future__ import annotations
 
-import atexit
 import logging
 import os
 import pwd
 import threading
-from dataclasses import asdict, dataclass
 from typing import Any, Callable, TypeVar
 
 import pynvml
+
+from launcher.gpu import nvml_call
+from launcher.gpu.nvml_call import NvmlTimeout
+from launcher.gpu.snapshots import GpuError, GpuInfo, GpuProcess, Inventory, MigDevice
 
 logger = logging.getLogger(__name__)
 
@@ -46,88 +53,6 @@ _NO_GPU_HINT = (
 )
 
 
-@dataclass(frozen=True)
-class GpuProcess:
-    """A compute process on a GPU, as NVML reports it, with the owner and command line from ``/proc``.
-
-    ``user`` and ``command`` are None when the process is not visible from here (another PID namespace,
-    e.g. inside a container without ``--pid host``) or has exited since NVML listed it.
-    """
-
-    pid: int
-    used_memory_bytes: int | None  # None: NVML cannot tell (WDDM, some MIG setups)
-    user: str | None = None
-    command: str | None = None
-    gpu_instance_id: int | None = None  # MIG GPU instance; None outside MIG
-    compute_instance_id: int | None = None
-
-
-@dataclass(frozen=True)
-class MigDevice:
-    """One MIG device (a slice of a GPU in MIG mode)."""
-
-    index: int
-    uuid: str
-    memory_total_bytes: int
-    memory_used_bytes: int
-    memory_free_bytes: int
-
-
-@dataclass(frozen=True)
-class GpuInfo:
-    """One reading of one GPU.
-
-    Memory comes from ``nvmlDeviceGetMemoryInfo_v2`` where the driver has it (``used`` then excludes
-    the driver's reserved memory), else from v1. Utilisation is the percentage of the last sample
-    period (1/6 s to 1 s depending on the product) during which a kernel ran / memory was read or
-    written; None where the GPU does not report it (MIG mode).
-    """
-
-    index: int
-    uuid: str
-    name: str
-    pci_bus_id: str
-    memory_total_bytes: int
-    memory_used_bytes: int
-    memory_free_bytes: int
-    gpu_utilization_pct: int | None
-    memory_utilization_pct: int | None
-    processes: tuple[GpuProcess, ...] = ()
-    mig_mode: bool | None = None  # None: the GPU has no MIG support
-    mig_devices: tuple[MigDevice, ...] = ()
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-@dataclass(frozen=True)
-class GpuError:
-    """A GPU that NVML lists but could not read; it is left out of the inventory."""
-
-    index: int
-    uuid: str | None
-    error: str  # NVML's message, e.g. "GPU is lost"
-
-
-@dataclass(frozen=True)
-class Inventory:
-    """Every GPU NVML could read, at one moment.
-
-    ``unavailable_reason`` is set (and ``gpus`` empty) when NVML itself is not usable; ``hint`` then says
-    what to do about it.
-    """
-
-    gpus: tuple[GpuInfo, ...] = ()
-    errors: tuple[GpuError, ...] = ()
-    driver_version: str | None = None
-    unavailable_reason: str | None = None
-    hint: str | None = None
-
-    @property
-    def available(self) -> bool:
-        return self.unavailable_reason is None
-
-
 class NvmlUnavailable(Exception):
     """Internal: NVML cannot be initialised; carries the user-facing reason and hint."""
 
@@ -137,9 +62,16 @@ class NvmlUnavailable(Exception):
         self.hint = hint
 
 
+# In the helper process only (launcher.gpu.nvml_call): NVML's state there, and the GPU being read.
 _lock = threading.Lock()
 _initialised = False
-_atexit_registered = False
+_where = ""
+
+
+def _q(fn: Callable[..., _T], *args: Any) -> _T:
+    """The one gate every NVML call goes through: names the call for a deadline's message, then makes it."""
+    nvml_call.note_call(f"{fn.__name__}{_where}")
+    return fn(*args)
 
 
 def _describe_init_failure(exc: pynvml.NVMLError) -> NvmlUnavailable:
@@ -165,38 +97,40 @@ def _describe_init_failure(exc: pynvml.NVMLError) -> NvmlUnavailable:
 
 
 def _ensure_initialised() -> None:
-    """Start NVML once per process; raise :class:`NvmlUnavailable` when it cannot start."""
-    global _initialised, _atexit_registered
+    """Start NVML once per helper process; raise :class:`NvmlUnavailable` when it cannot start."""
+    global _initialised
     with _lock:
         if _initialised:
             return
         try:
-            pynvml.nvmlInit()
+            _q(pynvml.nvmlInit)
         except pynvml.NVMLError as exc:
             raise _describe_init_failure(exc) from exc
         _initialised = True
-        if not _atexit_registered:
-            atexit.register(shutdown)
-            _atexit_registered = True
 
 
-def shutdown() -> None:
-    """Shut NVML down if this module started it. Safe to call more than once; the next read starts it again."""
+def _shutdown_here() -> None:
+    """In the helper, when it is told to stop: shut NVML down if it was started."""
     global _initialised
     with _lock:
         if not _initialised:
             return
         _initialised = False
         try:
-            pynvml.nvmlShutdown()
+            _q(pynvml.nvmlShutdown)
         except pynvml.NVMLError as exc:  # nothing useful to do at exit
             logger.debug("nvmlShutdown failed: %s", exc)
+
+
+def shutdown() -> None:
+    """Stop the NVML helper (it shuts NVML down). Safe to call more than once; the next read starts a new one."""
+    nvml_call.stop()
 
 
 def _optional(fn: Callable[..., _T], *args: Any) -> _T | None:
     """Call an NVML query whose answer the GPU may not support; None when it does not."""
     try:
-        return fn(*args)
+        return _q(fn, *args)
     except _UNKNOWN_VALUE_ERRORS:
         return None
 
@@ -211,11 +145,11 @@ def _memory(handle: Any) -> tuple[int, int, int]:
     version = getattr(pynvml, "nvmlMemory_v2", None)
     if version is not None:
         try:
-            mem = pynvml.nvmlDeviceGetMemoryInfo(handle, version=version)
+            mem = _q(pynvml.nvmlDeviceGetMemoryInfo, handle, version)
             return int(mem.total), int(mem.used), int(mem.free)
         except _FALLBACK_ERRORS as exc:
             logger.debug("nvmlDeviceGetMemoryInfo_v2 unavailable (%s); using v1", exc)
-    mem = pynvml.nvmlDeviceGetMemoryInfo(handle)
+    mem = _q(pynvml.nvmlDeviceGetMemoryInfo, handle)
     return int(mem.total), int(mem.used), int(mem.free)
 
 
@@ -226,7 +160,7 @@ def _running_processes(handle: Any) -> list[Any]:
         if fn is None:  # an older pynvml without this binding
             continue
         try:
-            return list(fn(handle))
+            return list(_q(fn, handle))
         except pynvml.NVMLError_FunctionNotFound:
             logger.debug("%s not in this driver; trying an older version", name)
         except _UNKNOWN_VALUE_ERRORS:
@@ -279,7 +213,9 @@ def _processes(handle: Any) -> tuple[GpuProcess, ...]:
     return tuple(sorted(procs, key=lambda q: q.pid))
 
 
-def _mig(handle: Any) -> tuple[bool | None, tuple[MigDevice, ...]]:
+def _mig(handle: Any, processes: tuple[GpuProcess, ...]) -> tuple[bool | None, tuple[MigDevice, ...]]:
+    """MIG mode and the MIG devices, each with the GPU's processes that run in its GPU instance (NVML lists a
+    MIG GPU's processes on the parent, tagged with ``gpuInstanceId``)."""
     mode = _optional(pynvml.nvmlDeviceGetMigMode, handle)
     if mode is None:
         return None, ()
@@ -287,26 +223,31 @@ def _mig(handle: Any) -> tuple[bool | None, tuple[MigDevice, ...]]:
     if not enabled:
         return False, ()
     devices = []
-    for slot in range(int(pynvml.nvmlDeviceGetMaxMigDeviceCount(handle))):
+    for slot in range(int(_q(pynvml.nvmlDeviceGetMaxMigDeviceCount, handle))):
         try:
-            mig = pynvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, slot)
+            mig = _q(pynvml.nvmlDeviceGetMigDeviceHandleByIndex, handle, slot)
         except pynvml.NVMLError_NotFound:
             continue  # an empty slot
         total, used, free = _memory(mig)
-        devices.append(MigDevice(slot, _text(pynvml.nvmlDeviceGetUUID(mig)), total, used, free))
+        gi = _optional(pynvml.nvmlDeviceGetGpuInstanceId, mig)
+        mine = tuple(p for p in processes if gi is not None and p.gpu_instance_id == gi)
+        devices.append(MigDevice(slot, _text(_q(pynvml.nvmlDeviceGetUUID, mig)), total, used, free,
+                                 None if gi is None else int(gi), mine))
     return True, tuple(devices)
 
 
 def _read_gpu(index: int) -> GpuInfo:
-    handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-    uuid = _text(pynvml.nvmlDeviceGetUUID(handle))
+    global _where
+    _where = f" (GPU {index})"
+    handle = _q(pynvml.nvmlDeviceGetHandleByIndex, index)
+    uuid = _text(_q(pynvml.nvmlDeviceGetUUID, handle))
     try:
-        name = _text(pynvml.nvmlDeviceGetName(handle))
+        name = _text(_q(pynvml.nvmlDeviceGetName, handle))
         pci = _optional(pynvml.nvmlDeviceGetPciInfo, handle)
         total, used, free = _memory(handle)
         util = _optional(pynvml.nvmlDeviceGetUtilizationRates, handle)
-        mig_mode, mig_devices = _mig(handle)
         processes = _processes(handle)
+        mig_mode, mig_devices = _mig(handle, processes)
     except pynvml.NVMLError as exc:
         raise _GpuReadError(uuid, exc) from exc
     return GpuInfo(
@@ -332,19 +273,14 @@ class _GpuReadError(Exception):
         self.nvml_error = exc
 
 
-def read_inventory() -> Inventory:
-    """Read every GPU once (similar to ``nvidia-smi -q``).
-
-    Never raises for a missing library or driver: the returned inventory then has no GPUs and says why
-    in ``unavailable_reason`` and ``hint``. A GPU that errors (lost, needs a reset) is listed in
-    ``errors`` and left out of ``gpus``.
-
-    Returns:
-        An :class:`Inventory` with the GPUs in NVML index order.
-    """
+def _read_inventory_here() -> Inventory:
+    """The whole query sequence, in the helper process (see :func:`read_inventory`). It logs nothing above
+    debug: a handler's lock may have been held by another thread of the launcher at the fork."""
+    global _where
+    _where = ""
     try:
         _ensure_initialised()
-        count = int(pynvml.nvmlDeviceGetCount())
+        count = int(_q(pynvml.nvmlDeviceGetCount))
         driver = _optional(pynvml.nvmlSystemGetDriverVersion)
     except NvmlUnavailable as exc:
         return Inventory(unavailable_reason=exc.reason, hint=exc.hint)
@@ -356,10 +292,8 @@ def read_inventory() -> Inventory:
         try:
             gpus.append(_read_gpu(index))
         except _GpuReadError as exc:
-            logger.warning("GPU %d (%s) skipped: %s", index, exc.uuid, exc)
             errors.append(GpuError(index, exc.uuid, str(exc)))
         except pynvml.NVMLError as exc:  # the handle or UUID query itself failed
-            logger.warning("GPU %d skipped: %s", index, exc)
             errors.append(GpuError(index, None, str(exc)))
     return Inventory(
         gpus=tuple(gpus),
@@ -368,9 +302,36 @@ def read_inventory() -> Inventory:
     )
 
 
+def read_inventory(*, timeout_s: float | None = None) -> Inventory:
+    """Read every GPU once (similar to ``nvidia-smi -q``), within a deadline.
+
+    Never raises for a missing library or driver: the returned inventory then has no GPUs and says why
+    in ``unavailable_reason`` and ``hint``. A GPU that errors (lost, needs a reset) is listed in
+    ``errors`` and left out of ``gpus``. MIG instances are in each GPU's ``mig_devices``.
+
+    Args:
+        timeout_s: the deadline for the whole sequence; None: ``$LAUNCHER_NVML_TIMEOUT`` or 5 s.
+
+    Returns:
+        An :class:`Inventory` with the GPUs in NVML index order.
+
+    Raises:
+        NvmlTimeout: the driver did not answer in time (a MissingDependency, exit 6); the message names the
+            call it was stuck in.
+    """
+    inventory = nvml_call.call(_read_inventory_here, on_exit=_shutdown_here, timeout=timeout_s)
+    for e in inventory.errors:  # logged here, not in the helper: a fork must not take the parent's log locks
+        logger.warning("GPU %d (%s) skipped: %s", e.index, e.uuid or "uuid unknown", e.error)
+    return inventory
+
+
 def current_user() -> str:
     """The user name this process runs as (the owner other GPU processes are compared with)."""
     try:
         return pwd.getpwuid(os.getuid()).pw_name
     except KeyError:
         return str(os.getuid())
+
+
+__all__ = ["GpuError", "GpuInfo", "GpuProcess", "Inventory", "MigDevice", "NvmlTimeout", "current_user",
+           "read_inventory", "shutdown"]

@@ -142,7 +142,7 @@ def cpu_plan(request: PlanRequest, cpu_count: int) -> Plan:
 
 
 class GpuCapacity(Protocol):
-    """What the planner needs to know about a GPU (``launcher.nvml.GpuInfo`` has it)."""
+    """What the planner needs to know about a GPU (``launcher.gpu.nvml.GpuInfo`` has it)."""
 
     @property
     def index(self) -> int: ...

@@ -1,21 +1,25 @@
-"""The one place the Swarm backend and the lifecycle commands touch the Docker SDK's swarm calls.
+"""Swarm calls (nodes, services, tasks, secrets, volumes) on a manager: what the Swarm backend needs.
 
 Above this module everything is typed values: a :class:`ServiceSpec` goes in, :class:`NodeInfo` and
-:class:`TaskInfo` snapshots come out, and Docker's errors come back as :mod:`launcher.errors` types. It reuses
-the connection (and the container and network calls) of :class:`launcher.docker_client.Engine`.
+:class:`TaskInfo` snapshots come out, and the engine's errors come back as :mod:`launcher.errors` types through
+:func:`launcher.engine.errors.engine_call`. It reuses the connection (and the container and network calls) of
+:class:`launcher.engine.client.Engine`.
 """
 
 from __future__ import annotations
 
 import calendar
 import logging
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-from launcher import docker_client as dc
+from launcher.engine.client import Engine
+from launcher.engine.errors import engine_call
+from launcher.engine.labels import ROLE_LABEL, RUN_LABEL, label_filters
 from launcher.errors import LauncherError, MissingDependency
 
 log = logging.getLogger(__name__)
@@ -23,6 +27,7 @@ log = logging.getLogger(__name__)
 GPU_RESOURCE = "NVIDIA-GPU"  # the generic resource kind nodes advertise (daemon.json node-generic-resources)
 SECRET_FILE = "launcher-secret"  # the secret's file name under /run/secrets
 RESTART_DELAY_S = 1.0  # between a group's failure and its next task
+LOGS_DEADLINE_S = 15.0  # the longest one service's logs may take to read (a lost node's stream never ends)
 STOP_GRACE_S = 8.0  # SIGTERM to SIGKILL for tasks the swarm stops (the master checkpoints in it)
 PRE_RUNNING = ("new", "allocated", "pending", "assigned", "accepted", "preparing", "ready", "starting")
 ENDED = ("complete", "failed", "rejected", "shutdown", "orphaned", "remove")
@@ -42,6 +47,8 @@ class NodeInfo:
     labels: Mapping[str, str]
     nano_cpus: int = 0
     gpus: int = 0
+    state: str = ""  # the swarm's word: ready, down, unknown, disconnected
+    updated_at: str = ""  # when the node's record last changed (its state, for a lost node), RFC 3339
 
     @classmethod
     def from_attrs(cls, attrs: Mapping[str, Any]) -> "NodeInfo":
@@ -56,7 +63,8 @@ class NodeInfo:
                 gpus += int(discrete.get("Value") or 0)
         ready = (attrs.get("Status") or {}).get("State") == "ready" and spec.get("Availability", "active") == "active"
         return cls(str(attrs.get("ID", "")), str(desc.get("Hostname", "")), str(spec.get("Role", "")), ready,
-                   dict(spec.get("Labels") or {}), int(res.get("NanoCPUs") or 0), gpus)
+                   dict(spec.get("Labels") or {}), int(res.get("NanoCPUs") or 0), gpus,
+                   str((attrs.get("Status") or {}).get("State") or ""), str(attrs.get("UpdatedAt") or "")[:19])
 
 
 @dataclass(frozen=True)
@@ -145,6 +153,8 @@ class ServiceSpec:
     constraints: tuple[str, ...] = ()
     mounts: tuple[MountSpec, ...] = ()
     stop_grace_s: float = STOP_GRACE_S
+    memory_bytes: int = 0  # the task's memory limit; 0: none
+    pids_limit: int = 0  # the task's pids limit (API 1.41+); 0: none
 
     def restart_policy(self) -> dict[str, Any]:
         """on-failure with ``restart_max`` attempts; none for the master and for a budget of 0 (the swarm
@@ -158,16 +168,22 @@ class ServiceSpec:
         from docker.types import EndpointSpec, Resources, RestartPolicy, SecretReference, ServiceMode
 
         rp = self.restart_policy()
+        resources = Resources(cpu_limit=self.nano_cpus or None, mem_limit=self.memory_bytes or None,
+                              generic_resources={GPU_RESOURCE: self.gpus} if self.gpus else None)
+        if self.pids_limit:  # docker-py has no argument for it; the engine reads Limits.Pids (API 1.41)
+            resources.setdefault("Limits", {})["Pids"] = self.pids_limit
         return {
             "image": self.image, "args": list(self.args), "name": self.name, "env": dict(self.env),
             "labels": dict(self.labels), "container_labels": dict(self.labels), "networks": [self.network],
             "user": self.user, "read_only": True, "cap_drop": ["ALL"],
+            # Engines before API 1.46 drop this field: there a setuid file of the image still gains euid 0 (with
+            # no capabilities: cap_drop ALL empties the bounding set); docs/reliability.md says so.
+            "privileges": {"NoNewPrivileges": True},
             "mounts": [m.to_sdk() for m in self.mounts], "constraints": list(self.constraints),
             "mode": ServiceMode("replicated", replicas=1), "endpoint_spec": EndpointSpec(mode="dnsrr"),
             "restart_policy": RestartPolicy(condition=rp["Condition"], delay=rp.get("Delay", 0),
                                             max_attempts=rp.get("MaxAttempts", 0)),
-            "resources": Resources(cpu_limit=self.nano_cpus or None,
-                                   generic_resources={GPU_RESOURCE: self.gpus} if self.gpus else None),
+            "resources": resources,
             "secrets": [SecretReference(secret_id, secret, filename=SECRET_FILE, uid=str(uid_gid[0]),
                                         gid=str(uid_gid[1]), mode=0o400)],
             "stop_grace_period": int(self.stop_grace_s * 1e9),
@@ -178,10 +194,10 @@ class ServiceSpec:
 
 # ------------------------------------------------------------------------------------------- the engine
 class SwarmEngine:
-    """The Swarm calls the backend and ``status``/``logs``/``down`` need, over a connected
-    :class:`~launcher.docker_client.Engine` (whose client this reuses)."""
+    """The Swarm calls the backend needs, over a connected :class:`~launcher.engine.client.Engine` (whose
+    client this reuses)."""
 
-    def __init__(self, engine: dc.Engine) -> None:
+    def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.client = engine.client
 
@@ -198,106 +214,108 @@ class SwarmEngine:
         return str((self.engine.info().get("Swarm") or {}).get("NodeID", ""))
 
     def nodes(self) -> list[NodeInfo]:
-        return [NodeInfo.from_attrs(n.attrs) for n in self.client.nodes.list()]
+        return [NodeInfo.from_attrs(n.attrs) for n in engine_call("list swarm nodes", self.client.nodes.list)]
 
     def image_here(self, image: str) -> bool:
-        from launcher.image import image_exists
+        from launcher.engine.images import image_exists
 
         return image_exists(image, self.client)
 
-    def _api(self, what: str, call: Callable[[], Any], hint: str | None = None) -> Any:
-        from docker.errors import APIError
-
-        try:
-            return call()
-        except APIError as exc:
-            raise LauncherError(f"cannot {what}: {exc.explanation or exc}", hint=hint) from exc
-
     def create_network(self, name: str, net_labels: Mapping[str, str]) -> str:
         """An attachable, internal overlay network (``docker network create -d overlay --attachable --internal``)."""
-        net = self._api(f"create overlay network {name}", lambda: self.client.networks.create(
-            name, driver="overlay", attachable=True, internal=True, labels=dict(net_labels), check_duplicate=True),
-            hint="`launcher down` the run that owns it")
-        return str(net.id)
+        return self.engine.create_network(name, net_labels, internal=True, driver="overlay", attachable=True)
 
     def create_secret(self, name: str, data: str, secret_labels: Mapping[str, str]) -> str:
         """A swarm secret (``docker secret create``); only tasks it is granted to can read it."""
-        sec = self._api(f"create secret {name}", lambda: self.client.secrets.create(
+        sec = engine_call(f"create secret {name}", lambda: self.client.secrets.create(
             name=name, data=data.encode(), labels=dict(secret_labels)))
         return str(sec.id)
 
     def create_service(self, spec: ServiceSpec, secret_id: str, secret: str, uid_gid: tuple[int, int]) -> str:
-        svc = self._api(f"create service {spec.name}",
-                        lambda: self.client.services.create(**spec.create_kwargs(secret_id, secret, uid_gid)))
+        svc = engine_call(f"create service {spec.name}",
+                          lambda: self.client.services.create(**spec.create_kwargs(secret_id, secret, uid_gid)))
         return str(svc.id)
 
     def services(self, flt: Mapping[str, str | None]) -> list[dict[str, Any]]:
         """Every service carrying the labels (like ``docker service ls --filter label=..``), as attrs."""
-        return [dict(s.attrs) for s in self.client.services.list(filters={"label": dc._label_filters(flt)})]
+        found = engine_call("list services", lambda: self.client.services.list(filters={"label": label_filters(flt)}))
+        return [dict(s.attrs) for s in found]
 
     def tasks(self, service_ids: list[str]) -> dict[str, list[TaskInfo]]:
         """Tasks of these services (one call), by service id (like ``docker service ps``)."""
         out: dict[str, list[TaskInfo]] = {sid: [] for sid in service_ids}
         if not service_ids:
             return out
-        for attrs in self.client.api.tasks(filters={"service": list(service_ids)}):
+        for attrs in engine_call("list tasks", lambda: self.client.api.tasks(filters={"service": list(service_ids)})):
             t = TaskInfo.from_attrs(attrs)
             if t.service_id in out:
                 out[t.service_id].append(t)
         return out
 
-    def service_logs(self, service: str, *, since: str | None = None, timestamps: bool = False) -> bytes:
-        """Output of every task of ``service`` still in the swarm's history (like ``docker service logs``)."""
-        from docker.errors import APIError, NotFound
+    def service_logs(self, service: str, *, since: str | None = None, timestamps: bool = False,
+                     deadline_s: float = LOGS_DEADLINE_S) -> bytes:
+        """Output of every task of ``service`` still in the swarm's history (like ``docker service logs``).
 
+        Bounded by ``deadline_s``: the manager streams each task's output from the task's node, and the stream
+        of a task on a lost node never ends (issue 16: teardown and ``launcher down`` hung on it for good).
+        The read runs in a daemon thread; past the deadline what came so far is returned, with a last line
+        saying the rest is unavailable, and the thread is left to the end of the process.
+        """
         kw: dict[str, Any] = {"stdout": True, "stderr": True, "timestamps": timestamps, "is_tty": False}
         if since is not None:
             kw["since"] = since
-        try:
-            return b"".join(self.client.api.service_logs(service, **kw))
-        except (NotFound, APIError) as exc:
-            log.debug("logs of %s: %s", service, exc)
-            return b""
+        chunks: list[bytes] = []
+        done = threading.Event()
+
+        def read() -> None:
+            try:
+                engine_call(f"read the logs of service {service}",
+                            lambda: [chunks.append(c) for c in self.client.api.service_logs(service, **kw)], gone=[])
+            except LauncherError as exc:
+                log.debug("%s", exc)
+            except Exception as exc:  # noqa: BLE001 - a broken stream mid-way: keep what came
+                log.debug("logs of service %s ended: %s", service, exc)
+            finally:
+                done.set()
+
+        threading.Thread(target=read, name=f"logs-{service[:24]}", daemon=True).start()
+        if done.wait(deadline_s):
+            return b"".join(chunks)
+        log.warning("logs of service %s: nothing more within %.0f s (a task on a lost node?); the rest is "
+                    "unavailable", service, deadline_s)
+        return b"".join(list(chunks)) + (f"[launcher: the rest of this output is unavailable: the engine sent "
+                                         f"nothing more within {deadline_s:.0f} s (a task on a lost node?)]\n").encode()
+
+    def force_update(self, service_id: str) -> None:
+        """A new task for the service (like ``docker service update --force``): a manual restart."""
+        engine_call(f"restart service {service_id[:12]}",
+                    lambda: self.client.services.get(service_id).force_update())
 
     def scale_to_zero(self, service_id: str) -> None:
-        from docker.errors import APIError, NotFound
-
         try:
-            self.client.services.get(service_id).scale(0)
-        except (NotFound, APIError) as exc:
-            log.debug("scale %s: %s", service_id, exc)
+            engine_call(f"scale service {service_id[:12]} to 0",
+                        lambda: self.client.services.get(service_id).scale(0), gone=None)
+        except LauncherError as exc:
+            log.debug("%s", exc)
 
     def remove_service(self, service_id: str) -> None:
-        from docker.errors import NotFound
-
-        try:
-            self._api(f"remove service {service_id}", lambda: self.client.api.remove_service(service_id))
-        except LauncherError as exc:
-            if not isinstance(exc.__cause__, NotFound):
-                raise
+        engine_call(f"remove service {service_id}", lambda: self.client.api.remove_service(service_id), gone=None)
 
     def secrets(self, flt: Mapping[str, str | None]) -> list[tuple[str, str]]:
-        return [(str(s.id), str(s.name)) for s in self.client.secrets.list(filters={"label": dc._label_filters(flt)})]
+        found = engine_call("list secrets", lambda: self.client.secrets.list(filters={"label": label_filters(flt)}))
+        return [(str(s.id), str(s.name)) for s in found]
 
     def overlay_networks(self, flt: Mapping[str, str | None]) -> list[tuple[str, str]]:
         """(id, name) of every overlay network carrying the labels (a run's bridge network is not one)."""
-        nets = self.client.networks.list(filters={"label": dc._label_filters(flt), "driver": "overlay"})
-        return [(str(n.id), str(n.name)) for n in nets]
+        return [(nid, name) for nid, name, _ in self.engine.networks(flt, driver="overlay")]
 
     def remove_secret(self, secret_id: str) -> None:
-        from docker.errors import NotFound
-
-        try:
-            self.client.api.remove_secret(secret_id)
-        except NotFound:
-            pass
+        engine_call(f"remove secret {secret_id}", lambda: self.client.api.remove_secret(secret_id), gone=None)
 
     def remove_network(self, net_id: str, timeout_s: float = 20.0) -> None:
         """Remove an overlay network and wait until it is gone. Both halves are asynchronous on a swarm: the
         removal fails while the tasks' endpoints are being released, and the network is listed for a moment
         after it succeeded."""
-        from docker.errors import NotFound
-
         deadline = time.monotonic() + timeout_s
         while True:
             try:
@@ -308,51 +326,37 @@ class SwarmEngine:
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.5)
-        while time.monotonic() < deadline:
-            try:
-                self.client.api.inspect_network(net_id)
-            except NotFound:
-                return
+        while time.monotonic() < deadline and self.engine.network_exists(net_id):
             time.sleep(0.2)
+
+    def volume_exists(self, volume: str) -> bool:
+        return bool(engine_call(f"inspect volume {volume}", lambda: self.client.api.inspect_volume(volume) and True,
+                                gone=False))
 
     def copy_volume(self, volume: str, dest: Path, image: str, user: str, run_id: str) -> bool:
         """Copy ``results/`` of a named volume on this node into ``dest`` (a throw-away container running as
         ``user``). False when the volume is not on this node."""
-        from docker.errors import APIError, ContainerError, NotFound
-        from docker.types import Mount
-
-        try:
-            self.client.volumes.get(volume)
-        except NotFound:
+        if not self.volume_exists(volume):
             return False
         code = "import shutil; shutil.copytree('/src/results', '/dst', dirs_exist_ok=True)"
-        try:
-            self.client.containers.run(
-                image, entrypoint=["python", "-c", code], user=user, network_disabled=True, remove=True,
-                labels={dc.RUN_LABEL: run_id, dc.ROLE_LABEL: "copy"},
-                mounts=[Mount("/src", volume, type="volume", read_only=True),
-                        Mount("/dst", str(dest.resolve()), type="bind")])
-        except (ContainerError, APIError) as exc:
-            log.warning("cannot copy results out of volume %s: %s", volume, exc)
-            return False
-        return True
+        return self.engine.run_once(image, ["python", "-c", code], user=user,
+                                    labels={RUN_LABEL: run_id, ROLE_LABEL: "copy"},
+                                    mounts=[("volume", volume, "/src", True), ("bind", str(dest.resolve()), "/dst", False)])
 
     def remove_volume(self, volume: str) -> None:
-        from docker.errors import APIError, NotFound
-
         try:
-            self.client.volumes.get(volume).remove()
-        except (NotFound, APIError) as exc:
-            log.debug("volume %s: %s", volume, exc)
+            engine_call(f"remove volume {volume}", lambda: self.client.api.remove_volume(volume), gone=None)
+        except LauncherError as exc:
+            log.debug("%s", exc)
 
 
-def connect_swarm(engine: dc.Engine | None = None) -> SwarmEngine:
+def connect_swarm(engine: Engine | None = None) -> SwarmEngine:
     """A :class:`SwarmEngine` on ``engine`` (default: a new connection).
 
     Raises:
         MissingDependency: no engine answers, or it is not a swarm manager.
     """
-    swarm = SwarmEngine(engine or dc.Engine())
+    swarm = SwarmEngine(engine or Engine())
     problem = swarm.manager_problem()
     if problem:
         raise MissingDependency(f"--backend swarm: {problem}", hint=SWARM_HINT)

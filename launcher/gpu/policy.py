@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 from launcher.errors import BadInput, ConfigErrors
-from launcher.gpu_select import format_size, parse_size
+from launcher.units import format_size, parse_size
 
 POLICY_ENV = "LAUNCHER_POLICY"
 DEFAULT_POLICY_PATH = Path("/etc/launcher/policy.toml")
@@ -68,15 +68,40 @@ def policy_path(environ: Mapping[str, str] | None = None) -> tuple[Path, bool]:
     return DEFAULT_POLICY_PATH, False
 
 
+def narrow(site: SitePolicy, user: SitePolicy) -> SitePolicy:
+    """The stricter of two policies, limit by limit (pure): a user's own policy can narrow the site's, never
+    widen it (smaller caps, a higher memory floor, more reserved GPUs)."""
+    def low(a: int | None, b: int | None) -> int | None:
+        return b if a is None else a if b is None else min(a, b)
+
+    floor = [v for v in (site.min_free_memory_bytes, user.min_free_memory_bytes) if v is not None]
+    sources = [s for s in (site.source, user.source) if s]
+    return SitePolicy(source=" narrowed by ".join(sources) or None,
+                      max_gpus_per_user=low(site.max_gpus_per_user, user.max_gpus_per_user),
+                      min_free_memory_bytes=max(floor) if floor else None,
+                      reserved_gpus=tuple(dict.fromkeys((*site.reserved_gpus, *user.reserved_gpus))),
+                      max_workers_per_gpu=low(site.max_workers_per_gpu, user.max_workers_per_gpu))
+
+
 def load_policy(path: Path | None = None, *, environ: Mapping[str, str] | None = None) -> SitePolicy:
-    """Read the site policy. The default path may be absent (no policy); a named file must exist.
+    """The policy runs obey: the administrator's (the admin store's site file names it, else
+    ``/etc/launcher/policy.toml``), narrowed by ``$LAUNCHER_POLICY`` or ``path`` if given.
 
     Raises:
         ConfigErrors: unreadable file, bad TOML, unknown keys or wrong values, each naming file, key and value.
     """
-    named = path is not None
-    if path is None:
-        path, named = policy_path(environ)
+    from launcher.gpu.store import find_site
+
+    site = find_site(dict(os.environ if environ is None else environ))
+    admin = _load_file(site.policy if site else DEFAULT_POLICY_PATH, named=False)
+    named_path, named = (path, True) if path is not None else policy_path(environ)
+    if not named:
+        return admin
+    return narrow(admin, _load_file(named_path, named=True))
+
+
+def _load_file(path: Path, *, named: bool) -> SitePolicy:
+    """One policy file; the admin's may be absent (no policy), a named one must exist."""
     if not path.exists():
         if named:
             raise ConfigErrors([f"{path}: policy file not found"],
@@ -248,22 +273,23 @@ def plan_obeying(make: Callable[[Any], tuple[Any, Any]], request: Any, policy: S
 
 def held_by_user(user: str, lock_dir: str | Path | None, *, exclude_run: str | None = None) -> int:
     """GPUs that ``user``'s launcher runs (other than ``exclude_run``) hold now, from the lock files."""
-    from launcher import reservations
+    from launcher.gpu import reservations
 
     return len({h.uuid for h in reservations.list_holders(lock_dir)
                 if h.user == user and (exclude_run is None or h.run_id != exclude_run)})
 
 
-def gpu_filter_for(policy: SitePolicy, *, gpus_choice: str, lock_dir: str | Path | None = None,
+def gpu_filter_for(policy: SitePolicy, *, explicit: bool, lock_dir: str | Path | None = None,
                    run_id: str | None = None) -> Any:
-    """The ``gpu_filter`` that :func:`launcher.gpu_select.plan_and_reserve` applies after each selection
-    (None when the policy limits nothing about GPUs). Counts the user's held GPUs at each call."""
+    """The ``gpu_filter`` that :func:`launcher.gpu.planner.plan_and_reserve` applies after each selection
+    (None when the policy limits nothing about GPUs). Counts the user's held GPUs at each call.
+
+    Args:
+        explicit: the user named GPUs (``--gpus 0,2``): a GPU the policy forbids is then an error.
+    """
     if policy.max_gpus_per_user is None and not policy.reserved_gpus and policy.min_free_memory_bytes is None:
         return None
-    from launcher import nvml
-    from launcher.gpu_select import parse_gpu_choice
-
-    explicit = parse_gpu_choice(gpus_choice).mode == "explicit"
+    from launcher.gpu import nvml
 
     def apply(gpus: list[Any]) -> tuple[list[Any], list[str]]:
         user = nvml.current_user()

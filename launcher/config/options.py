@@ -1,0 +1,296 @@
+"""Every ``launcher up`` option declared once (:data:`OPTIONS`), the typed :class:`RunConfig` they fill, and
+how one value is read (:func:`coerce`, :func:`parse_hparam`). The package docstring says how the layers fit."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from launcher.errors import BadInput
+from launcher.units import parse_duration, parse_size
+from worker.contract import ALGOS, DEFAULT_MAX_UTILIZATION_PCT, DEFAULT_MIN_FREE_MEMORY, SWARM_MASTER
+
+SWARM_GROUPS = ("spread", "any")  # --swarm-groups (launcher.backends.swarm_specs.group_placement)
+
+
+BACKENDS = ("auto", "process", "docker", "swarm")
+PROGRESS_MODES = ("auto", "live", "plain", "off")
+MAX_WORKERS = 1024
+CONFIG_FILE_NAME = "launcher.toml"
+CONFIG_ENV = "LAUNCHER_CONFIG"
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Everything ``launcher up`` needs. Build with :func:`load_config`; check with :func:`validate`."""
+
+    env_id: str = "CartPole-v1"
+    algo: str = "ppo"
+    workers: int = 8
+    backend: str = "auto"
+    results: Path = Path("results")
+    max_steps: int | None = 1_000_000
+    until_return: float | None = None
+    return_window: int = 100
+    seed: int = 0
+    gpus: str = "auto"
+    groups: int | None = None
+    max_workers_per_group: int = 16
+    timeout_s: float | None = None
+    detach: bool = False
+    resume: str | None = None
+    port: int = 0
+    checkpoint_every: int | None = None
+    restart_budget: int = 3
+    hparams: Mapping[str, Any] = field(default_factory=dict)
+    image: str | None = None
+    swarm_master: str = "auto"  # swarm backend: where the master runs (launcher.backends.swarm.master_placement)
+    swarm_groups: str = "spread"  # swarm backend: where worker groups run (launcher.backends.swarm_specs.group_placement)
+    build: str = "auto"  # docker backend: how a missing image is built (launcher.image.choose_build_path)
+    min_free_memory: str = DEFAULT_MIN_FREE_MEMORY
+    max_utilization: float = DEFAULT_MAX_UTILIZATION_PCT
+    lock_dir: Path | None = None
+    allow_other_users: bool = False
+    samples: int = 3  # NVML readings; the worst counts
+    sample_interval_s: float = 0.2  # seconds between readings
+    master_memory: str = "4GiB"  # GPU memory the learner needs (placement's memory model)
+    worker_memory: str = "256MiB"  # GPU memory each worker adds to its group process
+    isolate_master: bool = False  # the master must get a GPU of its own
+    share_master_gpu: bool = False  # the master never gets a GPU of its own
+    wait_s: float | None = None  # --wait: queue this long for busy GPUs (inf: no limit; None: exit 5 at once)
+    json: bool = False
+    progress: str = "auto"  # auto: a live table on a terminal, plain lines otherwise
+    progress_interval_s: float = 5.0  # seconds between plain progress lines
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["results"] = str(self.results)
+        d["lock_dir"] = None if self.lock_dir is None else str(self.lock_dir)
+        d["hparams"] = dict(self.hparams)
+        if self.wait_s is not None and math.isinf(self.wait_s):
+            d["wait_s"] = "forever"  # JSON has no infinity; read back by the same option
+        return d
+
+    @property
+    def effective_checkpoint_every(self) -> int:
+        """Updates between checkpoints: PPO updates are big and rare, A3C's small and frequent."""
+        if self.checkpoint_every is not None:
+            return self.checkpoint_every
+        return 25 if self.algo == "ppo" else 500
+
+
+FIELD_TYPES: dict[str, Any] = {f.name: f.type for f in dataclasses.fields(RunConfig)}
+DEFAULTS = RunConfig()
+
+
+@dataclass(frozen=True)
+class Option:
+    """One ``launcher up`` option: flag ``--<name>``, file key ``<name>``, variable ``LAUNCHER_<NAME>``.
+
+    kind: how text and TOML values are read: ``int``, ``float``, ``str``, ``bool``, ``path``,
+    ``duration`` (seconds, or text like ``15m``), ``size`` (``8GiB``) or ``choice``.
+    nullable: ``"none"`` means "no value" (no limit, no target).
+    """
+
+    name: str
+    field: str
+    kind: str
+    help: str
+    choices: tuple[str, ...] = ()
+    nullable: bool = False
+    metavar: str | None = None
+    const: str | None = None  # the value of the bare flag, which then takes an optional value (--wait)
+
+    @property
+    def flag(self) -> str:
+        return f"--{self.name}"
+
+    @property
+    def env_var(self) -> str:
+        return "LAUNCHER_" + self.name.upper().replace("-", "_")
+
+
+OPTIONS: tuple[Option, ...] = (
+    Option("env", "env_id", "str", "gymnasium env id, e.g. CartPole-v1, launcher/Snake-v0", metavar="ID"),
+    Option("algo", "algo", "choice", "algorithm", choices=ALGOS),
+    Option("workers", "workers", "int", "number of workers (env instances)", metavar="N"),
+    Option("backend", "backend", "choice", "where to run; auto: docker if an engine answers, else process",
+           choices=BACKENDS),
+    Option("results", "results", "path", "results root; each run gets a directory in it", metavar="DIR"),
+    Option("max-steps", "max_steps", "int", "total env steps ('none': no limit)", nullable=True, metavar="N"),
+    Option("until-return", "until_return", "float",
+           "stop when the mean return of the last --return-window episodes reaches this", nullable=True,
+           metavar="R"),
+    Option("return-window", "return_window", "int", "episodes averaged for --until-return", metavar="N"),
+    Option("seed", "seed", "int", "base seed", metavar="N"),
+    Option("gpus", "gpus", "str", "auto | none | indices (0,2) | UUIDs", metavar="auto|none|LIST"),
+    Option("groups", "groups", "int", "number of worker groups ('none': computed)", nullable=True, metavar="N"),
+    Option("max-workers-per-group", "max_workers_per_group", "int", "most workers in one group process",
+           metavar="N"),
+    Option("timeout", "timeout_s", "duration", "hard wall-clock limit, e.g. 90s, 15m, 1h30m (exit 4)",
+           nullable=True, metavar="DURATION"),
+    Option("port", "port", "int", "master port on 127.0.0.1 (process backend); 0: any free port", metavar="N"),
+    Option("checkpoint-every", "checkpoint_every", "int", "updates between checkpoints (default: 25 ppo, 500 a3c)",
+           nullable=True, metavar="N"),
+    Option("restart-budget", "restart_budget", "int", "restarts per worker group", metavar="N"),
+    Option("min-free-memory", "min_free_memory", "size", "least free memory per GPU, e.g. 8GiB", metavar="SIZE"),
+    Option("max-utilization", "max_utilization", "float", "highest GPU utilization, percent", metavar="PCT"),
+    Option("image", "image", "str", "container image (docker/swarm backends)", nullable=True, metavar="IMAGE"),
+    Option("build", "build", "choice", "docker backend: how a missing image is built; auto: online when a registry "
+           "answers, else offline (debootstrap base + host-side wheels)", choices=("auto", "online", "offline")),
+    Option("swarm-master", "swarm_master", "choice", "swarm backend: the master's node; auto: a node labelled "
+           "launcher.storage=true if any, else this one (docs/scaling-out.md)", choices=SWARM_MASTER),
+    Option("swarm-groups", "swarm_groups", "choice", "swarm backend: where worker groups run; spread: off the "
+           "master's node when other ready nodes can hold them; any: wherever the scheduler likes",
+           choices=SWARM_GROUPS),
+    Option("lock-dir", "lock_dir", "path", "GPU reservation lock directory", nullable=True, metavar="DIR"),
+    Option("allow-other-users", "allow_other_users", "bool",
+           "use GPUs where other users' processes run (default: skip them)"),
+    Option("samples", "samples", "int", "NVML readings to take; the worst counts", metavar="N"),
+    Option("sample-interval", "sample_interval_s", "float", "seconds between NVML readings", metavar="SECONDS"),
+    Option("master-memory", "master_memory", "size", "GPU memory the master (learner) needs", metavar="SIZE"),
+    Option("worker-memory", "worker_memory", "size", "GPU memory each worker adds to its group process",
+           metavar="SIZE"),
+    Option("isolate-master", "isolate_master", "bool",
+           "require a GPU of its own for the master (default: when the workers fit elsewhere)"),
+    Option("share-master-gpu", "share_master_gpu", "bool",
+           "never give the master a GPU of its own; spread workers over every GPU"),
+    Option("wait", "wait_s", "duration", "wait in the fair queue (across users) for busy GPUs, at most DURATION "
+           "(bare --wait: no limit); without it, busy GPUs exit 5", nullable=True, metavar="DURATION",
+           const="forever"),
+    Option("detach", "detach", "bool", "return at once (docker)"),
+    Option("json", "json", "bool", "print the result as JSON (schema launcher.result/v1) on stdout"),
+    Option("progress", "progress", "choice", "progress display: auto (live on a terminal, else plain lines)",
+           choices=PROGRESS_MODES),
+    Option("progress-interval", "progress_interval_s", "duration", "seconds between plain progress lines",
+           metavar="DURATION"),
+)
+BY_NAME: dict[str, Option] = {o.name: o for o in OPTIONS}
+# The options that decide GPUs and placement: `launcher plan` takes exactly these (and --config), so it
+# shows the plan `up` would make from the same file, environment and flags.
+PLACEMENT_OPTIONS: tuple[str, ...] = (
+    "workers", "gpus", "groups", "max-workers-per-group", "min-free-memory", "max-utilization", "lock-dir",
+    "allow-other-users", "samples", "sample-interval", "master-memory", "worker-memory", "isolate-master",
+    "share-master-gpu", "json",
+)
+WAIT_FOREVER = ("forever", "inf", "infinite")
+BY_FIELD: dict[str, Option] = {o.field: o for o in OPTIONS}
+
+
+# ---------------------------------------------------------------------------------------------- values
+def parse_hparam(text: str) -> tuple[str, Any]:
+    """Parse ``key=value`` (value as int, float, bool or comma list) for ``--set``."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key.strip():
+        raise ValueError(f"--set takes key=value, got {text!r}")
+    raw = raw.strip()
+    value: Any
+    if raw.lower() in ("true", "false"):
+        value = raw.lower() == "true"
+    else:
+        try:
+            value = int(raw)
+        except ValueError:
+            try:
+                value = float(raw)
+            except ValueError:
+                value = [int(x) for x in raw.split(",")] if re.fullmatch(r"\d+(,\d+)+", raw) else raw
+    return key.strip(), value
+
+
+def _toml(value: Any) -> str:
+    """A value as it would be written in TOML (near enough for messages)."""
+    import json
+
+    return json.dumps(value, default=str)
+
+
+def _type_name(value: Any) -> str:
+    return {bool: "boolean", int: "integer", float: "float", str: "string", list: "array",
+            dict: "table"}.get(type(value), type(value).__name__)
+
+
+def coerce(opt: Option, value: Any, *, strict: bool = False) -> Any:
+    """Turn ``value`` into the field's type. ``strict`` (TOML values): the TOML type must fit the option.
+
+    Raises:
+        ValueError: with a sentence saying what was expected.
+    """
+    if opt.nullable and (value is None or (isinstance(value, str) and value.strip().lower() in ("none", ""))):
+        return None
+    kind = opt.kind
+    if strict:
+        ok = {"int": isinstance(value, int) and not isinstance(value, bool),
+              "float": isinstance(value, (int, float)) and not isinstance(value, bool),
+              "bool": isinstance(value, bool),
+              "duration": isinstance(value, (int, float, str)) and not isinstance(value, bool),
+              "size": isinstance(value, (int, str)) and not isinstance(value, bool)}.get(kind, isinstance(value, str))
+        if not ok:
+            want = {"int": "an integer", "float": "a number", "bool": "true or false",
+                    "duration": "a duration such as 90, \"90s\" or \"15m\"",
+                    "size": "a size such as \"8GiB\""}.get(kind, "a string")
+            if opt.nullable:
+                want += ' or "none"'
+            raise ValueError(f"expected {want}, got {_type_name(value)}")
+    if kind == "int":
+        return _int(value)
+    if kind == "float":
+        return _float(value)
+    if kind == "duration":
+        if opt.const is not None and isinstance(value, str) and value.strip().lower() in WAIT_FOREVER:
+            return math.inf  # a bare --wait: no limit
+        return parse_duration(value)
+    if kind == "bool":
+        if isinstance(value, bool):
+            return value
+        text = str(value).strip().lower()
+        if text in ("1", "true", "yes", "on"):
+            return True
+        if text in ("0", "false", "no", "off"):
+            return False
+        raise ValueError("expected true or false")
+    if kind == "path":
+        return Path(str(value)).expanduser()
+    if kind == "size":
+        try:
+            parse_size(value)
+        except BadInput:
+            raise ValueError("expected a memory size such as 8GiB, 500MB or a byte count") from None
+        return str(value)
+    if kind == "choice":
+        text = str(value).strip().lower()
+        if text not in opt.choices:
+            raise ValueError(f"expected one of {', '.join(opt.choices)}")
+        return text
+    if not isinstance(value, str):
+        raise ValueError(f"expected a string, got {_type_name(value)}")
+    return value
+
+
+def _int(value: Any) -> int:
+    if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+        raise ValueError("expected a whole number")
+    if isinstance(value, (int, float)):
+        return int(value)
+    try:
+        return int(str(value).strip().replace("_", ""))
+    except ValueError:
+        raise ValueError("expected a whole number") from None
+
+
+def _float(value: Any) -> float:
+    if isinstance(value, bool):
+        raise ValueError("expected a number")
+    try:
+        f = float(value)
+    except (TypeError, ValueError):
+        raise ValueError("expected a number") from None
+    if not math.isfinite(f):
+        raise ValueError("expected a finite number")
+    return f
+
+

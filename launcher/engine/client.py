@@ -1,0 +1,361 @@
+"""Containers, networks and logs on one Docker engine: the calls the Docker backend and ``status``/``logs``/
+``down`` make.
+
+Everything above this module works with plain typed values: a :class:`ContainerSpec` goes in, a
+:class:`Container` comes out, and the engine's errors come back as :mod:`launcher.errors` types through
+:func:`launcher.engine.errors.engine_call`. Unit tests fake this layer only (docker-py's own split: raw calls
+below, typed values above). Swarm calls are in :mod:`launcher.engine.swarm`, image calls in
+:mod:`launcher.engine.images`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from launcher.engine.errors import ENGINE_HINT, docker_host, engine_call
+from launcher.engine.labels import RUN_LABEL, label_filters
+from launcher.errors import LauncherError, MissingDependency
+
+if TYPE_CHECKING:
+    from docker.client import DockerClient as DockerClient  # re-exported for type hints only
+
+log = logging.getLogger(__name__)
+
+PING_TIMEOUT_S = 3
+API_TIMEOUT_S = 60
+
+
+def connect_client(timeout_s: float = API_TIMEOUT_S) -> "DockerClient":
+    """A Docker client that has answered a ping (like ``docker version``).
+
+    Raises:
+        MissingDependency: no engine answers; the message names the DOCKER_HOST value seen.
+    """
+    try:
+        import docker.client
+    except ImportError as exc:
+        raise MissingDependency("the docker Python package is not installed",
+                                hint="`pip install docker` (scripts/setup.sh installs it)") from exc
+    try:
+        client = docker.client.from_env(timeout=max(1, int(timeout_s)))
+        client.ping()
+    except Exception as exc:  # noqa: BLE001 - any SDK or transport error means: no engine here
+        raise MissingDependency(f"no Docker engine answers (DOCKER_HOST={docker_host()}): {exc}",
+                                hint=ENGINE_HINT) from exc
+    return client
+
+
+def engine_unavailable_reason(timeout_s: float = PING_TIMEOUT_S) -> str | None:
+    """None when a Docker engine answers a ping within ``timeout_s`` seconds, else why not (like
+    ``docker version``). Never raises: ``--backend auto`` asks this on every ``up``."""
+    try:
+        connect_client(timeout_s).close()
+    except MissingDependency as exc:
+        return exc.message if "not installed" in exc.message else \
+            f"no Docker engine answers at DOCKER_HOST={docker_host()}: {str(exc.__cause__ or exc)}"
+    return None
+
+
+@dataclass(frozen=True)
+class ContainerSpec:
+    """Everything one container of a run is created with (``docker create`` flags, typed).
+
+    Attributes:
+        name: container name, unique on the engine (``launcher-<run>-master``).
+        image: image reference.
+        command: arguments after the image's entrypoint (``python -m worker``).
+        environment: environment variables (the spec and the secret included).
+        labels: ``launcher.*`` labels; ``status``/``down`` find the run's parts by them.
+        network: the run's network name; the container's name resolves on it.
+        user: ``uid:gid`` the process runs as.
+        nano_cpus: CPU limit in 1e-9 CPUs (``--cpus 2`` is 2_000_000_000); 0: no limit.
+        gpu_uuids: GPUs handed to the container through a DeviceRequest; empty: none.
+        restart_max: ``on-failure`` restart policy with this many retries; None: never restart.
+        binds: host path -> container path, read-write bind mounts.
+        read_only: read-only root filesystem (``/tmp`` is a tmpfs then).
+        tmpfs: container path -> mount options.
+        cap_drop, security_opt: as ``docker run --cap-drop`` / ``--security-opt``.
+        ports: container port -> host port, published on 127.0.0.1 only.
+        memory_bytes, pids_limit: ``--memory`` (swap included: none) and ``--pids-limit``; 0: no limit.
+    """
+
+    name: str
+    image: str
+    command: tuple[str, ...]
+    environment: Mapping[str, str]
+    labels: Mapping[str, str]
+    network: str
+    user: str
+    nano_cpus: int = 0
+    gpu_uuids: tuple[str, ...] = ()
+    restart_max: int | None = None
+    binds: Mapping[str, str] = field(default_factory=dict)
+    read_only_binds: Mapping[str, str] = field(default_factory=dict)  # host path -> container path, read-only
+    read_only: bool = True
+    tmpfs: Mapping[str, str] = field(default_factory=lambda: {"/tmp": "rw,nosuid,nodev,size=1g"})
+    cap_drop: tuple[str, ...] = ("ALL",)
+    security_opt: tuple[str, ...] = ("no-new-privileges",)
+    ports: Mapping[int, int] = field(default_factory=dict)
+    memory_bytes: int = 0
+    pids_limit: int = 0
+
+    def create_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments of ``client.containers.create`` for this spec."""
+        from docker.types import DeviceRequest, Mount
+
+        kwargs: dict[str, Any] = {
+            "image": self.image, "command": list(self.command), "name": self.name,
+            "environment": dict(self.environment), "labels": dict(self.labels), "network": self.network,
+            "user": self.user, "read_only": self.read_only, "tmpfs": dict(self.tmpfs),
+            "cap_drop": list(self.cap_drop), "security_opt": list(self.security_opt),
+            "mounts": [Mount(target=dst, source=src, type="bind", read_only=False) for src, dst in self.binds.items()]
+            + [Mount(target=dst, source=src, type="bind", read_only=True) for src, dst in self.read_only_binds.items()],
+            "restart_policy": ({"Name": "on-failure", "MaximumRetryCount": self.restart_max}
+                               if self.restart_max is not None else {"Name": "no"}),
+            "log_config": {"Type": "json-file", "Config": {"max-size": "50m", "max-file": "2"}},
+            "detach": True,
+        }
+        if self.nano_cpus:
+            kwargs["nano_cpus"] = self.nano_cpus
+        if self.memory_bytes:
+            kwargs.update(mem_limit=self.memory_bytes, memswap_limit=self.memory_bytes)
+        if self.pids_limit:
+            kwargs["pids_limit"] = self.pids_limit
+        if self.gpu_uuids:
+            kwargs["device_requests"] = [DeviceRequest(driver="nvidia", device_ids=list(self.gpu_uuids),
+                                                       capabilities=[["gpu"]])]
+        if self.ports:
+            kwargs["ports"] = {f"{c}/tcp": ("127.0.0.1", h) for c, h in self.ports.items()}
+        return kwargs
+
+
+@dataclass(frozen=True)
+class Container:
+    """One container as ``docker inspect`` saw it (docker-py's ``Container.attrs``, typed).
+
+    ``status`` is Docker's (created, running, restarting, exited, dead, paused, removing);
+    ``health`` is the healthcheck status or ``""`` when the image has none.
+    """
+
+    id: str
+    name: str
+    status: str
+    exit_code: int | None
+    restart_count: int
+    labels: Mapping[str, str]
+    health: str = ""
+    pid: int = 0
+    started_at: str = ""
+    finished_at: str = ""
+    oom_killed: bool = False
+
+    @property
+    def short_id(self) -> str:
+        return self.id[:12]
+
+    @classmethod
+    def from_attrs(cls, attrs: Mapping[str, Any]) -> "Container":
+        state = attrs.get("State") or {}
+        status = str(state.get("Status", "unknown"))
+        return cls(
+            id=str(attrs.get("Id", "")), name=str(attrs.get("Name", "")).lstrip("/"), status=status,
+            exit_code=None if status in ("created", "running", "restarting", "paused") else state.get("ExitCode"),
+            restart_count=int(attrs.get("RestartCount") or 0),
+            labels=dict((attrs.get("Config") or {}).get("Labels") or {}),
+            health=str((state.get("Health") or {}).get("Status", "")), pid=int(state.get("Pid") or 0),
+            started_at=str(state.get("StartedAt", "")), finished_at=str(state.get("FinishedAt", "")),
+            oom_killed=bool(state.get("OOMKilled")),
+        )
+
+
+def labelled_containers(labels: Mapping[str, str | None] | None = None, *, running_only: bool = True,
+                        timeout_s: float = 5) -> tuple[list[Container], str | None]:
+    """Containers carrying ``labels`` (default: any ``launcher.run``), with no engine being no error (like
+    ``docker ps --filter label=launcher.run``). ``launcher gpus`` and GPU selection ask this.
+
+    Returns:
+        (containers, reason): with no reachable engine, an empty list and a sentence saying why.
+    """
+    try:
+        engine = Engine(timeout_s=timeout_s)
+    except LauncherError as exc:
+        return [], exc.message
+    try:
+        found = engine.containers(labels or {RUN_LABEL: None})
+    except LauncherError as exc:
+        return [], exc.message
+    finally:
+        engine.close()
+    return [c for c in found if c.status in ("running", "restarting", "paused")] if running_only else found, None
+
+
+class Engine:
+    """A connected Docker engine (``docker.from_env()``), with the calls the backends need.
+
+    Raises :class:`~launcher.errors.MissingDependency` on construction when no engine answers; every
+    other engine error becomes a :class:`~launcher.errors.LauncherError` saying what was being done.
+    """
+
+    def __init__(self, timeout_s: float = API_TIMEOUT_S) -> None:
+        self.client = connect_client(timeout_s)
+        self._info: dict[str, Any] | None = None
+
+    def close(self) -> None:
+        self.client.close()
+
+    # ------------------------------------------------------------------------------------------ engine
+    def info(self) -> dict[str, Any]:
+        """``docker info``, asked once per Engine."""
+        if self._info is None:
+            self._info = dict(engine_call("read docker info", self.client.info))
+        return self._info
+
+    def runtimes(self) -> tuple[str, ...]:
+        """The OCI runtimes the engine knows (``docker info`` Runtimes), e.g. ``('runc', 'nvidia')``."""
+        return tuple(sorted((self.info().get("Runtimes") or {}).keys()))
+
+    def cpu_count(self) -> int:
+        """CPUs the engine's host has (``docker info`` NCPU): the most ``nano_cpus`` may ask for."""
+        return int(self.info().get("NCPU") or os.cpu_count() or 1)
+
+    def has_nvidia_runtime(self) -> bool:
+        """Whether nvidia-container-toolkit is registered with the engine."""
+        return "nvidia" in self.runtimes()
+
+    # ----------------------------------------------------------------------------------------- networks
+    def create_network(self, name: str, labels: Mapping[str, str], *, internal: bool = True,
+                       driver: str = "bridge", attachable: bool = False) -> str:
+        """Create a network (like ``docker network create --internal``); returns its id.
+
+        ``internal``: members reach each other by name but nothing outside; ``driver`` overlay with
+        ``attachable`` makes a Swarm run's network.
+        """
+        net = engine_call(f"create network {name}", lambda: self.client.networks.create(
+            name, driver=driver, internal=internal, attachable=attachable or None, labels=dict(labels),
+            check_duplicate=True), hint=f"`launcher down` the run that owns it, or `docker network rm {name}`")
+        return str(net.id)
+
+    def networks(self, labels: Mapping[str, str | None], *,
+                 driver: str | None = None) -> list[tuple[str, str, dict[str, str]]]:
+        """(id, name, labels) of every network carrying ``labels`` (a None value: any value)."""
+        flt: dict[str, Any] = {"label": label_filters(labels)}
+        if driver:
+            flt["driver"] = driver
+        nets = engine_call("list networks", lambda: self.client.networks.list(filters=flt))
+        return [(str(n.id), str(n.name), dict(n.attrs.get("Labels") or {})) for n in nets]
+
+    def remove_network(self, name_or_id: str) -> bool:
+        """Remove a network (like ``docker network rm``); False when it was already gone."""
+        return bool(engine_call(
+            f"remove network {name_or_id}", lambda: self.client.api.remove_network(name_or_id) or True, gone=False,
+            hint="a container outside the run may still be attached; `docker network inspect` it"))
+
+    def network_exists(self, name_or_id: str) -> bool:
+        return bool(engine_call(f"inspect network {name_or_id}",
+                                lambda: self.client.api.inspect_network(name_or_id) and True, gone=False))
+
+    # --------------------------------------------------------------------------------------- containers
+    def create(self, spec: ContainerSpec) -> str:
+        """Create (not start) a container (like ``docker create``); returns its id."""
+        return str(engine_call(f"create container {spec.name} from image {spec.image}",
+                               lambda: self.client.containers.create(**spec.create_kwargs()).id,
+                               hint="`launcher down --all` removes leftovers of earlier runs"))
+
+    def start(self, container_id: str) -> None:
+        """Start a created or exited container (like ``docker start``)."""
+        engine_call(f"start container {container_id[:12]}", lambda: self.client.api.start(container_id))
+
+    def inspect(self, container_id: str) -> Container | None:
+        """The container's state now (like ``docker inspect``); None when it no longer exists."""
+        attrs = engine_call(f"inspect container {container_id[:12]}",
+                            lambda: self.client.api.inspect_container(container_id), gone=None)
+        return None if attrs is None else Container.from_attrs(attrs)
+
+    def inspect_raw(self, container_id: str) -> dict[str, Any]:
+        """The full ``docker inspect`` document (tests and ``status --json`` read it)."""
+        return dict(engine_call(f"inspect container {container_id[:12]}",
+                                lambda: self.client.api.inspect_container(container_id)))
+
+    def containers(self, labels: Mapping[str, str | None]) -> list[Container]:
+        """Every container (running or not) carrying ``labels`` (like ``docker ps -a --filter label=..``)."""
+        found = engine_call("list containers", lambda: self.client.api.containers(
+            all=True, filters={"label": label_filters(labels)}))
+        snaps = [s for s in (self.inspect(c["Id"]) for c in found) if s is not None]
+        return sorted(snaps, key=lambda s: s.name)
+
+    def stop(self, container_id: str, timeout_s: float) -> None:
+        """SIGTERM, then SIGKILL after ``timeout_s`` seconds (like ``docker stop -t``). Gone already: fine."""
+        try:
+            engine_call(f"stop container {container_id[:12]}",
+                        lambda: self.client.api.stop(container_id, timeout=max(0, int(round(timeout_s)))), gone=None)
+        except LauncherError as exc:
+            log.warning("%s", exc)
+
+    def kill(self, container_id: str, signal: str = "SIGKILL") -> None:
+        """Send ``signal`` to the container's main process (like ``docker kill -s``)."""
+        try:
+            engine_call(f"kill container {container_id[:12]}",
+                        lambda: self.client.api.kill(container_id, signal=signal), gone=None)
+        except LauncherError as exc:
+            log.debug("%s", exc)
+
+    def remove(self, container_id: str) -> bool:
+        """Remove a container, killing it if it still runs (like ``docker rm -f``); False if already gone."""
+        try:
+            return bool(engine_call(f"remove container {container_id[:12]}", lambda: self.client.api.remove_container(
+                container_id, force=True) or True, gone=False))
+        except LauncherError as exc:
+            if "already in progress" in exc.message:
+                return True
+            raise
+
+    def wait_removed(self, container_ids: list[str], timeout_s: float = 10.0) -> None:
+        """Wait until none of ``container_ids`` exists (removal is asynchronous for a dying container)."""
+        deadline = time.monotonic() + timeout_s
+        pending = list(container_ids)
+        while pending and time.monotonic() < deadline:
+            pending = [c for c in pending if self.inspect(c) is not None]
+            if pending:
+                time.sleep(0.1)
+
+    def run_once(self, image: str, entrypoint: list[str], *, user: str, labels: Mapping[str, str],
+                 mounts: list[tuple[str, str, str, bool]]) -> bool:
+        """Run a throw-away container to its end, with no network (like ``docker run --rm --network none``),
+        hardened like a run's own containers: no capabilities, ``no-new-privileges``, a read-only root, and
+        memory (1 GiB) and pids (256) limits.
+
+        ``mounts``: (type, source, target, read_only). Returns whether it exited 0; a failure is logged.
+        """
+        from docker.types import Mount
+
+        try:
+            engine_call(f"run a helper container of {image}", lambda: self.client.containers.run(
+                image, entrypoint=entrypoint, user=user, network_disabled=True, remove=True, labels=dict(labels),
+                cap_drop=["ALL"], security_opt=["no-new-privileges"], read_only=True, mem_limit=2**30,
+                memswap_limit=2**30, pids_limit=256,
+                mounts=[Mount(target, source, type=kind, read_only=ro) for kind, source, target, ro in mounts]))
+        except LauncherError as exc:
+            log.warning("%s", exc)
+            return False
+        return True
+
+    # --------------------------------------------------------------------------------------------- logs
+    def logs(self, container_id: str, *, tail: int | None = None) -> bytes:
+        """Everything the container wrote to stdout/stderr, across its restarts (like ``docker logs``)."""
+        return bytes(engine_call(f"read the logs of container {container_id[:12]}", lambda: self.client.api.logs(
+            container_id, stdout=True, stderr=True, tail="all" if tail is None else tail), gone=b""))
+
+    def follow_logs(self, container_id: str, *, tail: int | None = None) -> Iterator[bytes]:
+        """Chunks of output as the container writes them, until it stops (like ``docker logs -f``)."""
+        stream = engine_call(f"follow the logs of container {container_id[:12]}", lambda: self.client.api.logs(
+            container_id, stdout=True, stderr=True, stream=True, follow=True, tail="all" if tail is None else tail),
+            gone=iter(()))
+        try:
+            yield from stream
+        except Exception as exc:  # noqa: BLE001 - the engine closed the stream: the container is gone
+            log.debug("log stream of %s ended: %s", container_id[:12], exc)

@@ -1,0 +1,368 @@
+"""GPU leases: two runs never hold the same GPU, across users, and a crash leaves nothing held.
+
+Each GPU (or MIG instance) has a lease file ``<UUID>.lock``; a run takes an exclusive ``flock`` on it and
+keeps the descriptor for its whole life, and the kernel drops it when the holder dies, however it dies.
+Who holds a lease is read from the kernel (``/proc/locks``, :mod:`launcher.gpu.holders`), never from text.
+
+Two modes (:func:`lease_dir`): with an admin store (:mod:`launcher.gpu.store`) the lease files are root's
+and opened read-only, and ``--lock-dir`` cannot bypass them; without one, a single-user lock directory
+(``$LAUNCHER_LOCK_DIR`` or ``/tmp/launcher-locks``, 1777, 0666 files) as before, which only holds between
+one user's runs. Runs in another mount namespace are seen through their containers' labels
+(:func:`launcher.gpu.holders.container_holders`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import logging
+import os
+import re
+import socket
+import stat
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from launcher.errors import BadInput, MissingDependency, NoResources
+from launcher.gpu.holders import (exclusive_holders, file_key, proc_info, read_label, read_proc_locks, user_name,
+                                  write_note)
+from launcher.gpu.store import InsecureSite, Site, find_site
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_LOCK_DIR = "/tmp/launcher-locks"
+LOCK_DIR_ENV = "LAUNCHER_LOCK_DIR"
+LOCK_SCHEMA = "launcher.lock/v1"
+
+_UUID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+# A probe from an older launcher holds a shared lock for microseconds; retry this long before calling a GPU busy.
+_PROBE_RETRY_S = 0.05
+_UNSET: Any = object()
+
+
+def valid_uuid(uuid: str) -> bool:
+    """Whether ``uuid`` can name a lease file (GPU-/MIG- UUIDs; no path separators)."""
+    return bool(_UUID_RE.match(uuid))
+
+
+def default_lock_dir() -> Path:
+    """``$LAUNCHER_LOCK_DIR`` if set, else ``/tmp/launcher-locks`` (single-user mode only)."""
+    return Path(os.environ.get(LOCK_DIR_ENV) or DEFAULT_LOCK_DIR)
+
+
+@dataclass(frozen=True)
+class LeaseDir:
+    """Where leases are taken: the admin store's ``leases/`` (``site`` set) or a single-user lock directory."""
+
+    path: Path
+    site: Site | None = None
+
+    @property
+    def queue(self) -> Path:
+        return self.site.queue if self.site else self.path / "queue"
+
+
+def lease_dir(lock_dir: str | Path | None = None, *, site: Site | None = _UNSET) -> LeaseDir:
+    """Resolve the lease directory. With an admin store, ``--lock-dir``/``$LAUNCHER_LOCK_DIR`` naming another
+    directory is refused: leases that bypass the store would not keep other users' runs off those GPUs.
+
+    Raises:
+        BadInput: a lock directory beside the admin store; InsecureSite: a store others can write.
+    """
+    site = find_site() if site is _UNSET else site
+    if site is None:
+        return LeaseDir(Path(lock_dir) if lock_dir else default_lock_dir())
+    for given, what in ((lock_dir, "--lock-dir"), (os.environ.get(LOCK_DIR_ENV), f"${LOCK_DIR_ENV}")):
+        if given and os.path.realpath(given) != os.path.realpath(site.leases):
+            raise BadInput(f"{what} {given}: this machine has an admin lease store ({site.leases}, set up in "
+                           f"{site.site_file}); every run leases its GPUs there, so another lock directory "
+                           "is not allowed", hint=f"leave out --lock-dir and unset {LOCK_DIR_ENV}")
+    return LeaseDir(site.leases, site)
+
+
+def _lock_path(directory: Path, uuid: str) -> Path:
+    if not valid_uuid(uuid):
+        raise BadInput(f"not a GPU UUID: {uuid!r}")
+    return directory / f"{uuid}.lock"
+
+
+@dataclass(frozen=True)
+class Holder:
+    """Who holds a GPU's lease. ``pid`` and ``uid`` come from the kernel's lock table; ``run_id``, ``host`` and
+    ``since`` from the holder's note (a label, trusted only for the holder's own uid)."""
+
+    uuid: str
+    run_id: str | None = None
+    pid: int | None = None
+    user: str | None = None
+    host: str | None = None
+    since: float | None = None  # Unix time the lease was taken (else the holder process's start)
+    uid: int | None = None
+    container_id: str | None = None
+
+    def describe(self) -> str:
+        details = ", ".join(x for x in (self.pid and f"pid {self.pid}", self.user and f"user {self.user}",
+                                        self.container_id and f"container {self.container_id[:12]}") if x)
+        return f"launcher run {self.run_id or '?'}" + (f" ({details})" if details else "")
+
+
+@dataclass
+class _HeldLock:
+    uuid: str
+    path: Path
+    fd: int
+    note: Path | None = None
+
+
+@dataclass
+class Reservation:
+    """GPUs leased for one run. Release with :meth:`release` or by leaving the ``with`` block.
+
+    The locks also go when the process exits (the kernel drops them), so a crash leaves nothing held.
+    """
+
+    run_id: str
+    lock_dir: Path
+    _held: list[_HeldLock] = field(default_factory=list, repr=False)
+
+    @property
+    def uuids(self) -> tuple[str, ...]:
+        return tuple(h.uuid for h in self._held)
+
+    @property
+    def fds(self) -> tuple[int, ...]:
+        """The locked descriptors: a process backend passes them to the master child (``pass_fds``), which
+        then keeps the leases for as long as it lives, even if the launcher is killed."""
+        return tuple(h.fd for h in self._held)
+
+    @property
+    def paths(self) -> tuple[Path, ...]:
+        """The lease files, e.g. to bind-mount into a master container that takes the leases over."""
+        return tuple(h.path for h in self._held)
+
+    def release(self) -> None:
+        """Drop every lease (idempotent). The holder text is cleared first so nobody reads it as current."""
+        while self._held:
+            held = self._held.pop()
+            if held.note is not None:
+                with contextlib.suppress(OSError):
+                    held.note.unlink()
+            try:
+                os.ftruncate(held.fd, 0)
+            except OSError:
+                pass  # opened read-only (the admin store, or someone else's file mode); nothing was written
+            os.close(held.fd)  # closing the last descriptor releases the flock
+
+    def __enter__(self) -> Reservation:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self.release()
+
+
+def ensure_shared_dir(directory: Path) -> None:
+    """Single-user mode: make the lock (or queue) directory, world-writable and sticky like /tmp."""
+    if directory.is_dir():
+        return
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        os.chmod(directory, 0o1777)  # shared by every user of the machine, like /tmp
+    except FileExistsError:
+        if directory.is_dir():  # another launcher made it a moment ago
+            return
+        raise BadInput(f"the GPU lock directory {directory} exists and is not a directory",
+                       hint=f"point --lock-dir or {LOCK_DIR_ENV} at a directory") from None
+    except OSError as exc:  # no permission, a file where a parent should be, a read-only file system
+        raise BadInput(
+            f"cannot create the GPU lock directory {directory}: {exc.strerror}",
+            hint=f"set {LOCK_DIR_ENV} to a directory every user of this machine can write (mode 1777), or ask "
+            "the administrator for a lease store (`sudo launcher admin init`)",
+        ) from exc
+
+
+def _open_store_file(path: Path, uuid: str) -> int:
+    """Open an admin store lease file read-only (flock needs no write access); it must be root's."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise MissingDependency(f"GPU {uuid} has no lease file in the admin store ({path})",
+                                hint="ask the administrator to run `sudo launcher admin init` again "
+                                "(it makes one per GPU and MIG instance it finds)") from None
+    except OSError as exc:
+        raise InsecureSite(f"cannot open the lease file {path}: {exc.strerror}",
+                           hint="ask the administrator to run `sudo launcher admin init` again") from None
+    st = os.fstat(fd)
+    if st.st_uid != 0 or st.st_mode & 0o022 or not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise InsecureSite(f"the lease file {path} is owned by uid {st.st_uid} with mode {stat.S_IMODE(st.st_mode):04o}; "
+                           "it must be root's and writable by root only",
+                           hint="ask the administrator to run `sudo launcher admin init` again")
+    return fd
+
+
+def _open_lock_file(path: Path) -> tuple[int, bool]:
+    """Single-user mode: open (creating) a lock file without following symlinks; (fd, writable)."""
+    flags = os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags | os.O_RDWR, 0o666)
+    except PermissionError:
+        # Another user's file made without group/other write: the lock still works on a read-only fd.
+        return os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC), False
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise BadInput(f"GPU lock file {path} is a symlink; refusing to follow it",
+                           hint="remove it; someone may be tampering with the lock directory") from exc
+        raise
+    try:
+        if os.fstat(fd).st_uid == os.getuid():
+            os.fchmod(fd, 0o666)  # the umask took write from other users; they must be able to lock it too
+    except OSError:
+        pass
+    return fd, True
+
+
+def _try_lock(fd: int) -> bool:
+    """Take the exclusive lock without waiting. A shared-lock probe does not count as busy."""
+    deadline = time.monotonic() + _PROBE_RETRY_S
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            pass
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False  # an exclusive holder: a run
+        fcntl.flock(fd, fcntl.LOCK_UN)  # only probes: let them finish
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.001)
+
+
+def _lock_one(ld: LeaseDir, uuid: str, record: dict[str, Any]) -> _HeldLock | None:
+    """Lease one GPU's file; None when another run holds it."""
+    path = _lock_path(ld.path, uuid)
+    while True:
+        if ld.site is not None:
+            fd, writable = _open_store_file(path, uuid), False
+        else:
+            fd, writable = _open_lock_file(path)
+        if not _try_lock(fd):
+            os.close(fd)
+            return None
+        # Recheck after taking it: if the file was replaced or removed between our open and our lock, we
+        # hold a lock nobody else will look at; start again on the file now at the path.
+        try:
+            same = os.stat(path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            same = False
+        if not same:
+            os.close(fd)
+            continue
+        if writable:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, json.dumps({**record, "uuid": uuid}).encode(), 0)
+        note = write_note(ld.site.holders, uuid, record) if ld.site is not None else None
+        return _HeldLock(uuid, path, fd, note)
+
+
+def reserve(
+    uuids: Iterable[str],
+    run_id: str,
+    lock_dir: str | Path | None = None,
+    *,
+    count: int | None = None,
+) -> Reservation:
+    """Lease GPUs for a run, for as long as the returned :class:`Reservation` (or the process) lives.
+
+    Never waits: a GPU held by another run is busy now. Use as a context manager, or call ``.release()``.
+
+    Args:
+        uuids: GPU UUIDs, in order of preference.
+        run_id: this run's id, recorded in the holder note for ``launcher gpus``.
+        lock_dir: single-user mode's lock directory (None: ``$LAUNCHER_LOCK_DIR`` or ``/tmp/launcher-locks``);
+            with an admin store it must be None or the store's.
+        count: None: all of ``uuids`` or nothing. N: the first N that are free, in the given order.
+
+    Raises:
+        NoResources: a GPU is held by another run (``count`` None), or fewer than ``count`` are free. The
+            message names the holders. Nothing stays locked.
+        BadInput: a malformed UUID, a lock directory that cannot be created or that bypasses the store.
+        MissingDependency: the admin store has no lease file for a GPU.
+    """
+    wanted = list(dict.fromkeys(uuids))
+    need = len(wanted) if count is None else count
+    ld = lease_dir(lock_dir)
+    if ld.site is None:
+        ensure_shared_dir(ld.path)
+    record = {"schema": LOCK_SCHEMA, "run_id": run_id, "pid": os.getpid(), "user": user_name(os.getuid()),
+              "host": socket.gethostname(), "since": time.time()}
+    reservation = Reservation(run_id, ld.path)
+    busy: list[str] = []
+    try:
+        for uuid in wanted:
+            if len(reservation._held) >= need:
+                break
+            held = _lock_one(ld, uuid, record)
+            if held is None:
+                busy.append(uuid)
+                if count is None:
+                    break
+            else:
+                reservation._held.append(held)
+    except BaseException:
+        reservation.release()
+        raise
+    if len(reservation._held) < need:
+        reservation.release()
+        holders = {h.uuid: h for h in list_holders(ld)}
+        who = "; ".join(f"{u} held by {holders[u].describe() if u in holders else 'another run'}" for u in busy)
+        raise NoResources(
+            f"could not reserve {need} GPU(s) for run {run_id} among {len(wanted)}: {who or 'none free'}",
+            hint="wait for those runs to end (`launcher gpus` shows them; `launcher up --wait` queues), or choose "
+            "other GPUs with --gpus",
+        )
+    logger.info("run %s reserved %s in %s", run_id, ", ".join(reservation.uuids), ld.path)
+    return reservation
+
+
+def list_holders(lock_dir: str | Path | LeaseDir | None = None) -> list[Holder]:
+    """Every GPU lease held now, by UUID, from the kernel's lock table (``/proc/locks``).
+
+    A lease file nobody holds is not listed, whatever text it has. ``pid``/``uid``/``user``/``container_id``
+    are the kernel's; ``run_id``/``host``/``since`` the holder's own note.
+    """
+    ld = lock_dir if isinstance(lock_dir, LeaseDir) else lease_dir(lock_dir)
+    try:
+        paths = sorted(ld.path.glob("*.lock"))
+    except OSError:
+        return []
+    files: dict[tuple[tuple[int, int], int], str] = {}
+    by_uuid: dict[str, Path] = {}
+    for path in paths:
+        try:
+            files[file_key(os.stat(path, follow_symlinks=False))] = path.name[: -len(".lock")]
+        except OSError:
+            continue
+        by_uuid[path.name[: -len(".lock")]] = path
+    holders: list[Holder] = []
+    for uuid, pids in sorted(exclusive_holders(files, read_proc_locks()).items()):
+        pid = pids[0]
+        info = proc_info(pid)
+        note = ld.site.holders / f"{uuid}@{pid}.json" if ld.site is not None else None
+        label = read_label(note, by_uuid[uuid], pid, info.uid)
+        since = label.get("since")
+        holders.append(Holder(
+            uuid=uuid, run_id=label.get("run_id") if isinstance(label.get("run_id"), str) else None,
+            pid=pid if pid > 0 else None, user=info.user,
+            host=label.get("host") if isinstance(label.get("host"), str) else None,
+            since=float(since) if isinstance(since, (int, float)) else info.started_at,
+            uid=info.uid, container_id=info.container_id))
+    return holders
