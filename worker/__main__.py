@@ -12,9 +12,11 @@ import logging
 import os
 import sys
 
+from worker.contract import LOG_LEVEL_ENV, MASTER_ADDR_ENV
+
 
 def _load_spec(path: str | None):  # -> RunSpec
-    from worker.spec import SPEC_ENV, RunSpec
+    from worker.contract import SPEC_ENV, RunSpec
 
     if path:
         with open(path) as fh:
@@ -30,8 +32,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("role", choices=("master", "group"))
     parser.add_argument("--index", type=int, default=None, help="worker group index (role group)")
     parser.add_argument("--spec", default=None, help="run spec JSON file (default: $LAUNCHER_SPEC)")
-    parser.add_argument("--log-level", default=os.environ.get("LAUNCHER_LOG_LEVEL", "INFO"))
+    parser.add_argument("--log-level", default=os.environ.get(LOG_LEVEL_ENV, "INFO"))
     args = parser.parse_args(argv)
+    if args.role == "master":  # before any heavy import: the run's GPU leases live as long as this process
+        from worker.lease import hold_from_env
+
+        hold_from_env()
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format=f"%(asctime)s {args.role}{'' if args.index is None else args.index} %(levelname)s %(message)s")
     for noisy in ("absl", "tensorflow", "h5py", "matplotlib"):
@@ -39,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
     from worker.gpu_setup import adopt_swarm_gpus
-    from worker.spec import take_secret
+    from worker.contract import take_secret
 
     adopt_swarm_gpus()  # on a swarm the engine picked this task's GPUs; before anything loads CUDA
 
@@ -50,6 +56,9 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("worker").error("cannot start: %s", exc)
         return 2
     if args.role == "master":
+        from worker.contract import hold_live
+
+        hold_live(spec.results_dir)  # the run is live while this process is: `up --resume` refuses it
         from worker.master import Master, install_signal_handlers
 
         master = Master(spec, secret)
@@ -59,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("group needs --index")
     from worker.group import WorkerGroup, install_signal_handlers as group_signals
 
-    addr = os.environ.get("LAUNCHER_MASTER_ADDR", f"{spec.connect_host}:{spec.master_port}")
+    addr = os.environ.get(MASTER_ADDR_ENV, f"{spec.connect_host}:{spec.master_port}")
     host, _, port = addr.rpartition(":")
     group = WorkerGroup(spec, args.index, secret, (host.strip("[]"), int(port)))
     group_signals(group)

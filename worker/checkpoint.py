@@ -3,6 +3,9 @@
 TensorFlow writes a checkpoint's data and index files first and only then replaces the ``checkpoint``
 state file, atomically; a crash mid-write therefore leaves the previous checkpoint as the latest. On
 restore we still try the newest first and fall back to older ones if a file is damaged.
+
+TensorFlow is imported where it is used, so :class:`Counters` costs nothing to import (the master's
+reporting uses it before the learner exists).
 """
 
 from __future__ import annotations
@@ -13,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import tensorflow as tf
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +40,8 @@ class Checkpointer:
     """
 
     def __init__(self, directory: Path, model: Any, optimizer: Any, *, window: int, max_to_keep: int = 3) -> None:
+        import tensorflow as tf
+
         self.directory = directory
         self._counters = tf.Variable(np.zeros(len(COUNTERS), np.int64), trainable=False, name="counters")
         self._returns = tf.Variable(np.zeros(window, np.float64), trainable=False, name="recent_returns")
@@ -66,6 +70,8 @@ class Checkpointer:
         only the variables that exist now, so damage in, say, the optimiser's slots would surface at the
         first update instead, and a truncated data file raises IndexError, not an OpError.
         """
+        import tensorflow as tf
+
         for path in reversed(self.manager.checkpoints):
             try:
                 damage_check(path)
@@ -83,6 +89,8 @@ class Checkpointer:
 
 def damage_check(path: str) -> None:
     """Read every tensor of the checkpoint at ``path``; raises (OpError, IndexError, ...) if any is damaged."""
+    import tensorflow as tf
+
     reader = tf.train.load_checkpoint(path)
     for name in reader.get_variable_to_shape_map():
         reader.get_tensor(name)

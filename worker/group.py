@@ -4,12 +4,28 @@ Lifecycle (``GroupState``): CONNECTING -> PLAYING -> (disconnected: CONNECTING w
 STOPPED (the master said the run is over) | FAILED (auth refused, or the master stayed away past the
 reconnect deadline).
 
-Acting uses :class:`worker.models.NumpyPolicy` over all K envs at once; PPO groups never import
-TensorFlow. A3C groups import it once per group (not per worker) to compute gradients.
+Acting uses :class:`worker.models.NumpyPolicy` over all K envs at once (the K envs are one vector env);
+PPO groups never import TensorFlow. A3C groups import it once per group (not per worker) to compute
+gradients.
+
+Collection overlaps learning (the default; double-buffered, as Sample Factory's sampler and APPO): a
+group sends a segment tagged with its behaviour policy's version and log-probabilities and at once
+collects the next one with the weights it has, while the master learns. At the segment boundary it takes
+the weights that arrived meanwhile; with one segment already in flight it waits for that segment's reply
+before sending the next, so at most one segment is in flight and a segment is at most one round old when
+the master uses it (the master's learner corrects for that lag, and drops what is older than its bound).
+``sync=true`` (a hyper-parameter) restores the strictly synchronous round: send, wait for the new
+weights, then collect; the policy lag is then 0.
+
+A master (or an impostor on the network) that sends anything malformed gets the same treatment as a
+bad peer gets from the master: a ``rejected.<reason>`` count in :attr:`WorkerGroup.rejected`, one log
+line, and a reconnect with backoff, never a traceback and never an exit from the reconnect loop (only a
+refused secret ends the group at once).
 """
 
 from __future__ import annotations
 
+import collections
 import enum
 import logging
 import random
@@ -23,10 +39,10 @@ import numpy as np
 
 from worker.algorithms import hparams as hparams_mod
 from worker.algorithms.rollout import Collector, Segment
-from worker.envs import make_env
+from worker.envs import make_vector_env
 from worker.models import Architecture, NumpyPolicy, check_weights
 from worker.protocol import Connection, Message, MsgType, PeerClosed, ProtocolError, client_handshake
-from worker.spec import RunSpec
+from worker.contract import RunSpec
 
 log = logging.getLogger("worker.group")
 
@@ -66,12 +82,13 @@ class WorkerGroup:
         self.master_addr = master_addr
         self.reconnect_deadline_s = reconnect_deadline_s
         self.hp = hparams_mod.resolve(spec.algo, spec.env_id, spec.hparams)
-        k = self.assign.workers
-        self.envs = [make_env(spec.env_id, seed=spec.seed + 1000 * index + w) for w in range(k)]
-        self.arch = Architecture.for_spaces(self.envs[0].observation_space, self.envs[0].action_space, self.hp)
+        # Worker w of group g plays copy w of one vector env, seeded seed + 1000 g + w.
+        self.envs = make_vector_env(spec.env_id, self.assign.workers)
+        self.arch = Architecture.for_spaces(self.envs.single_observation_space, self.envs.single_action_space, self.hp)
         self.policy = NumpyPolicy(self.arch)
         self.collector = Collector(self.envs, self.policy, gamma=float(self.hp["gamma"]),
                                    lam=float(self.hp["gae_lambda"]), seed=spec.seed + 1000 * index)
+        self.sync = bool(self.hp["sync"])
         self.grads: Any = None
         if spec.algo == "a3c":
             from worker.gpu_setup import configure_tf_devices
@@ -82,8 +99,8 @@ class WorkerGroup:
             self.grads = A3CGradients(self.arch, self.hp, spec.seed)
         self.state = GroupState.CONNECTING
         self._stop = threading.Event()
-        self.weights: dict[str, np.ndarray] = {}
         self.connects = 0
+        self.rejected: collections.Counter[str] = collections.Counter()  # what this group refused, by reason
 
     def request_stop(self) -> None:
         self._stop.set()
@@ -105,8 +122,12 @@ class WorkerGroup:
             except ProtocolError as exc:
                 if exc.reason in ("bad_auth", "rejected"):
                     raise
+                self.rejected[exc.reason] += 1
                 err: Exception = exc
             except (OSError, TimeoutError, PeerClosed) as exc:
+                err = exc
+            except (ValueError, KeyError, TypeError) as exc:  # a decode path missed a case: still retried
+                self.rejected["malformed"] += 1
                 err = exc
             now = time.monotonic()
             first_fail = first_fail or now
@@ -132,7 +153,10 @@ class WorkerGroup:
         while True:
             # Weights land straight in the policy's spare arrays (no copy); other frames are consumed
             # before the next recv, so one reusable buffer serves them.
-            msg = conn.recv(reuse_buffer=True, into=self._weights_target)
+            try:
+                msg = conn.recv(reuse_buffer=True, into=self._weights_target)
+            except (ValueError, KeyError, TypeError, OverflowError) as exc:  # a decode path missed a case
+                raise ProtocolError("malformed", f"{type(exc).__name__}: {str(exc)[:120]}") from None
             if msg.type in (MsgType.WEIGHTS, MsgType.STOP):
                 return msg
             if msg.type != MsgType.HEARTBEAT:
@@ -143,12 +167,14 @@ class WorkerGroup:
 
     def _take_weights(self, msg: Message) -> None:
         # Shapes and names are checked before the swap; a frame that did not fit the spare arrays is copied.
+        version = msg.fields.get("version")
+        if not isinstance(version, int) or isinstance(version, bool):
+            raise ProtocolError("malformed", "WEIGHTS without an integer version")
         try:
             check_weights(self.arch, msg.arrays)
         except ValueError as exc:
             raise ProtocolError("bad_shape", f"the master's weights do not fit this model: {exc}") from None
-        self.policy.swap_in(msg.arrays, int(msg.fields["version"]))
-        self.weights = self.policy.w
+        self.policy.swap_in(msg.arrays, version)
 
     # --------------------------------------------------------------------------------------------- play
     def run(self) -> int:
@@ -172,7 +198,10 @@ class WorkerGroup:
                 if self._play(conn):
                     self.state = GroupState.STOPPED
                     return EXIT_STOPPED
-            except (OSError, TimeoutError, PeerClosed, ProtocolError) as exc:
+            except ProtocolError as exc:
+                self.rejected[exc.reason] += 1
+                log.warning("group %d: refused a frame from the master (%s); reconnecting", self.index, exc)
+            except (OSError, TimeoutError, PeerClosed) as exc:
                 log.warning("group %d: lost the master (%s); reconnecting", self.index, exc)
             finally:
                 done.set()
@@ -186,35 +215,57 @@ class WorkerGroup:
         return EXIT_STOPPED
 
     def _play(self, conn: Connection) -> bool:
-        """Play until STOP (returns True) or until stopped locally (False). Network errors propagate."""
+        """Play until STOP (returns True) or until stopped locally (False). Network errors propagate.
+
+        Every segment sent gets exactly one WEIGHTS reply (or STOP); ``in_flight`` counts those owed.
+        """
         msg = self._await(conn)
         if msg.type == MsgType.STOP:
             return True
         self._take_weights(msg)
         self.state = GroupState.PLAYING
-        log.info("group %d playing: %d workers on %s, weights v%d", self.index, self.assign.workers,
-                 self.spec.env_id, self.policy.version)
+        log.info("group %d playing: %d workers on %s, weights v%d, %s", self.index, self.assign.workers,
+                 self.spec.env_id, self.policy.version, "synchronous rounds" if self.sync else "overlapped collection")
         n_steps = int(self.hp["n_steps"])
+        in_flight = 0
         while not self._stop.is_set():
             seg = self.collector.collect(n_steps)
-            self._send(conn, seg)
-            msg = self._await(conn)
-            if msg.type == MsgType.STOP:
-                log.info("group %d: the master ended the run (%s)", self.index, msg.fields.get("reason"))
-                return True
-            self._take_weights(msg)
+            fields, arrays = self._message(seg)  # A3C: the gradient at the behaviour weights, before a swap
+            # The segment boundary, the only place new weights are swapped in: with the previous segment
+            # still in flight (the double buffer is full) take its reply first, waiting if the learner is
+            # still at it, so the master never holds more than one segment of ours.
+            if in_flight:
+                msg = self._await(conn)
+                if msg.type == MsgType.STOP:
+                    return self._stopped(msg)
+                self._take_weights(msg)
+                in_flight -= 1
+            conn.send(MsgType.GRADS if self.grads is not None else MsgType.TRAJ, fields, arrays)
+            in_flight += 1
+            if self.sync:
+                msg = self._await(conn)
+                if msg.type == MsgType.STOP:
+                    return self._stopped(msg)
+                self._take_weights(msg)
+                in_flight -= 1
         return False
 
-    def _send(self, conn: Connection, seg: Segment) -> None:
-        stats = {"ep_returns": np.asarray(seg.episode_returns, np.float64),
-                 "ep_lengths": np.asarray(seg.episode_lengths, np.int32)}
+    def _stopped(self, msg: Message) -> bool:
+        log.info("group %d: the master ended the run (%.100s)", self.index, msg.fields.get("reason"))
+        return True
+
+    def _message(self, seg: Segment) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+        """The TRAJ (PPO) or GRADS (A3C) message of one segment: fields and arrays."""
+        stats: dict[str, np.ndarray] = {"ep_returns": np.asarray(seg.episode_returns, np.float64),
+                                        "ep_lengths": np.asarray(seg.episode_lengths, np.int32)}
         fields: dict[str, Any] = {"version": seg.version, "env_steps": seg.steps}
         if self.grads is None:
-            conn.send(MsgType.TRAJ, fields, {**seg.flat(), **stats})
-            return
-        grads, losses = self.grads.compute(self.weights, seg.flat())
+            return fields, {**seg.flat(), **stats}
+        # On-policy gradient: computed at the weights that acted (``version``); the master counts its
+        # staleness when it applies it.
+        grads, losses = self.grads.compute(self.policy.w, seg.flat())
         fields["losses"] = losses
-        conn.send(MsgType.GRADS, fields, {**{f"g/{k}": v for k, v in grads.items()}, **stats})
+        return fields, {**{f"g/{k}": v for k, v in grads.items()}, **stats}
 
 
 def install_signal_handlers(group: WorkerGroup) -> None:

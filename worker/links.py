@@ -1,6 +1,10 @@
 """Master-side connections to worker groups: the accept loop, the handshake and one reader and one
 writer thread per authenticated group.
 
+Every frame a peer sends ends as a message for the learner or as a ``rejected.<reason>`` counter and
+one log line, never as a traceback: a decoder that raised anything but ``ProtocolError`` is a bug, and
+it is still counted (``rejected.malformed``) rather than killing the peer's thread.
+
 Why threads and blocking sockets: each peer gets its own reader, so a slow, silent or hostile peer can
 only stall itself (it times out), and the learner never blocks on a socket because every send goes
 through the link's bounded outbox. Frames are read into a fresh ``np.empty`` buffer and decoded as
@@ -84,7 +88,8 @@ class LinkServer:
         on_join: called with a new link after authentication; returns the frames to send first
             (WELCOME info dict, initial weights frame).
         on_message: called from the link's reader thread with (link, message) for TRAJ/GRADS.
-        on_leave: called when a link closes.
+        on_leave: called when a group leaves: its link closes and no newer link of that group replaced it
+            (a group that rejoined before its old link timed out has not left).
         counters: where rejections are counted (``rejected.<reason>``).
     """
 
@@ -106,6 +111,10 @@ class LinkServer:
         self.on_join, self.on_message, self.on_leave = on_join, on_message, on_leave
         self.links: dict[int, GroupLink] = {}
         self._lock = threading.Lock()
+        # Held while a group's link is registered and ``on_join`` runs, and while a link is dropped and
+        # ``on_leave`` runs: the callbacks of one group then arrive in the order the links came and went, so
+        # an old link's leave can never land after a newer link's join (status would say "connecting").
+        self._membership = threading.Lock()
         self._open = 0
         self._stopping = threading.Event()
         self._heartbeat = encode_parts(MsgType.HEARTBEAT, {})
@@ -180,20 +189,27 @@ class LinkServer:
             except (PeerClosed, OSError) as exc:
                 self._reject(conn, "handshake_aborted", str(exc))
                 return
+            except Exception as exc:  # a decode path missed a case: still a counted refusal, not a dead thread
+                self._reject(conn, "malformed", f"{type(exc).__name__}: {str(exc)[:120]}")
+                return
             link = GroupLink(conn=conn, group=int(hello.fields["group"]), workers=int(hello.fields["workers"]))
-            with self._lock:
-                old = self.links.get(link.group)
-                self.links[link.group] = link
-            try:
-                info, first_frames = self.on_join(link)
-            except ValueError as exc:
+            refused: str | None = None
+            with self._membership:  # a join and an older link's leave of one group never interleave
                 with self._lock:
-                    if self.links.get(link.group) is link:
-                        if old is not None and old.alive:
-                            self.links[link.group] = old
-                        else:
-                            del self.links[link.group]
-                self._reject(conn, "unknown_group", str(exc))
+                    old = self.links.get(link.group)
+                    self.links[link.group] = link
+                try:
+                    info, first_frames = self.on_join(link)
+                except ValueError as exc:
+                    with self._lock:
+                        if self.links.get(link.group) is link:
+                            if old is not None and old.alive:
+                                self.links[link.group] = old
+                            else:
+                                del self.links[link.group]
+                    refused = str(exc)
+            if refused is not None:
+                self._reject(conn, "unknown_group", refused)
                 link = None
                 return
             if old is not None and old.alive:
@@ -206,15 +222,21 @@ class LinkServer:
             self.counters.add("connections")
             reason = self._read_loop(link)
         finally:
-            with self._lock:
-                self._open -= 1
-                if link is not None and self.links.get(link.group) is link:
-                    del self.links[link.group]
-            if link is not None:
-                link.close()
-                self.on_leave(link, reason)
-            else:
-                conn.close()
+            with self._membership:
+                with self._lock:
+                    self._open -= 1
+                    current = link is not None and self.links.get(link.group) is link
+                    if current:
+                        del self.links[link.group]
+                if link is not None:
+                    link.close()
+                    if current:
+                        self.on_leave(link, reason)
+                    else:  # the group rejoined on a newer link (its node was lost): that link speaks for it
+                        log.info("group %d: its previous connection ended (%s); the newer one serves it",
+                                 link.group, reason)
+                else:
+                    conn.close()
 
     def _read_loop(self, link: GroupLink) -> str:
         conn = link.conn
@@ -231,6 +253,11 @@ class LinkServer:
                 return "heartbeat timeout"
             except (PeerClosed, OSError) as exc:
                 return f"disconnected: {exc}" if link.alive else "closed"
+            except Exception as exc:  # a decode path missed a case: still a counted refusal, not a traceback
+                self.counters.add("rejected.malformed")
+                log.warning("group %d sent a frame that failed to decode (%s: %.120s); closing its connection",
+                            link.group, type(exc).__name__, exc)
+                return "protocol error: malformed"
             if msg.type == MsgType.HEARTBEAT:
                 continue
             if msg.type == MsgType.BYE:

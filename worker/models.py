@@ -46,6 +46,8 @@ class Architecture:
 
         hp = dict(hparams or {})
         obs_shape = tuple(int(d) for d in observation_space.shape)
+        low: tuple[float, ...]
+        high: tuple[float, ...]
         if isinstance(action_space, spaces.Discrete):
             continuous, n_out, low, high = False, int(action_space.n), (), ()
         elif isinstance(action_space, spaces.Box) and len(action_space.shape) == 1:
@@ -247,6 +249,12 @@ class NumpyPolicy:
         actions = out + std * noise
         logp = (-0.5 * noise**2 - log_std - 0.5 * np.log(2 * np.pi)).sum(axis=1)
         return actions.astype(np.float32), logp.astype(np.float32), values.astype(np.float32)
+
+    def env_actions(self, actions: np.ndarray) -> np.ndarray:
+        """What to pass to a vector env's ``step`` for a batch of sampled actions (Box actions clipped)."""
+        if not self.arch.continuous:
+            return actions
+        return np.clip(actions, self.arch.action_low, self.arch.action_high)
 
     def env_action(self, action: np.ndarray) -> Any:
         """What to pass to ``env.step`` for one sampled action (Box actions are clipped to bounds)."""

@@ -1,4 +1,4 @@
-"""The run's results directory: its layout, atomic writes, metrics, TensorBoard and the learning curve.
+"""The run's results directory: its layout (names in :mod:`worker.contract`), atomic writes, metrics, TensorBoard and the learning curve.
 
 Layout (``<results root>/<run id>/``)::
 
@@ -20,58 +20,14 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from dataclasses import dataclass
+import threading
 from pathlib import Path
 from typing import Any, Iterable
 
+from worker.contract import RunFiles
 
-@dataclass(frozen=True)
-class RunFiles:
-    root: Path
-
-    @property
-    def status(self) -> Path:
-        return self.root / "status.json"
-
-    @property
-    def metrics(self) -> Path:
-        return self.root / "metrics.jsonl"
-
-    @property
-    def summary(self) -> Path:
-        return self.root / "summary.json"
-
-    @property
-    def tensorboard(self) -> Path:
-        return self.root / "tensorboard"
-
-    @property
-    def checkpoints(self) -> Path:
-        return self.root / "checkpoints"
-
-    @property
-    def model_dir(self) -> Path:
-        return self.root / "model"
-
-    @property
-    def curve(self) -> Path:
-        return self.root / "learning_curve.png"
-
-    @property
-    def logs(self) -> Path:
-        return self.root / "logs"
-
-    @property
-    def spec(self) -> Path:
-        return self.root / "spec.json"
-
-    @property
-    def config(self) -> Path:
-        return self.root / "config.json"
-
-    @property
-    def plan(self) -> Path:
-        return self.root / "plan.json"
+__all__ = ["RunFiles", "atomic_write_text", "atomic_write_json", "read_json", "MetricsLog", "read_metrics",
+           "episode_series", "plot_learning_curve", "TensorBoardWriter"]
 
 
 def atomic_write_text(path: Path, text: str) -> None:
@@ -116,14 +72,21 @@ def read_json(path: Path) -> Any | None:
 
 
 class MetricsLog:
-    """Appends JSON lines; each line is flushed whole so a crash leaves at most one torn last line."""
+    """Appends JSON lines; each line is flushed whole so a crash leaves at most one torn last line.
+
+    The master writes from its main thread and from every group's link thread (joins, leaves): a lock keeps
+    each record one whole line, since a text file's ``write`` is not atomic across threads.
+    """
 
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         self._fh = open(path, "a", buffering=1)
+        self._lock = threading.Lock()
 
     def write(self, record: dict[str, Any]) -> None:
-        self._fh.write(json.dumps(record, separators=(",", ":"), default=_json_default) + "\n")
+        line = json.dumps(record, separators=(",", ":"), default=_json_default) + "\n"
+        with self._lock:
+            self._fh.write(line)
 
     def close(self) -> None:
         self._fh.close()
@@ -185,7 +148,7 @@ def plot_learning_curve(metrics_path: Path, out: Path, *, title: str, window: in
     ax.legend(loc="lower right")
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp.png")
+    tmp = out.with_name(f".{out.stem}.{os.getpid()}.{os.urandom(4).hex()}.tmp.png")  # never another master's
     fig.savefig(tmp)
     plt.close(fig)
     os.replace(tmp, out)

@@ -16,7 +16,7 @@ import gymnasium
 import numpy as np
 from gymnasium import spaces
 
-__all__ = ["SNAKE_ID", "EnvInfo", "describe_env", "make_env", "register_envs"]
+__all__ = ["SNAKE_ID", "EnvInfo", "describe_env", "make_env", "make_vector_env", "register_envs"]
 
 SNAKE_ID = "launcher/Snake-v0"
 
@@ -106,6 +106,30 @@ def make_env(
     env.reset(seed=seed)
     env.action_space.seed(seed)
     return env
+
+
+def make_vector_env(env_id: str, num_envs: int, **kwargs: Any) -> gymnasium.vector.VectorEnv[Any, Any, Any]:
+    """``num_envs`` copies of ``env_id`` stepped as one vector env, the fastest that keeps the semantics.
+
+    Where gymnasium ships the env's own numpy-vectorised implementation (``vector_entry_point``, e.g.
+    CartPole: one array operation steps every copy, ~2.5x ``SyncVectorEnv`` at 16 envs) that is used; it
+    autoresets in ``NEXT_STEP`` mode (the step after an episode ends returns the reset observation with
+    reward 0 and ignores the action), which :class:`worker.algorithms.rollout.Collector` masks out. Every
+    other env runs in gymnasium's ``SyncVectorEnv`` in ``SAME_STEP`` mode (the final observation in
+    ``info["final_obs"]``), the semantics of stepping the envs one by one. Not reset: the caller seeds
+    the first ``reset`` (copy ``i`` gets ``seed + i`` with ``SyncVectorEnv``).
+
+    Raises:
+        ValueError: if ``env_id`` is not registered; the message names close ids.
+    """
+    _require_registered(env_id)
+    if gymnasium.spec(env_id).vector_entry_point is not None and not kwargs:
+        try:
+            return gymnasium.make_vec(env_id, num_envs=num_envs, vectorization_mode="vector_entry_point")
+        except (ImportError, gymnasium.error.Error):  # e.g. a JAX implementation without JAX installed
+            pass
+    return gymnasium.make_vec(env_id, num_envs=num_envs, vectorization_mode="sync",
+                              vector_kwargs={"autoreset_mode": gymnasium.vector.AutoresetMode.SAME_STEP}, **kwargs)
 
 
 def describe_env(env_id: str) -> EnvInfo:

@@ -37,7 +37,7 @@ reset); 120,000-185,000 steps/s through ``gymnasium.make`` with ``action_space.s
 order-enforcing and passive-checker wrappers and the sampling cost more than the game.
 
 A uniformly random policy eats 0.178 fruit an episode on average, in 15.4 steps (500 episodes, seeds
-0..499; ``tests/test_snake.py::test_random_policy_baseline``): the floor learning is compared against.
+0..499; ``tests/unit/run/test_snake.py::test_random_policy_baseline``): the floor learning is compared against.
 """
 
 from __future__ import annotations
