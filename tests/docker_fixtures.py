@@ -2,7 +2,7 @@
 
 * ``docker_client``: a client that answered a ping; the test is skipped when no engine answers.
 * ``launcher_image``: the worker image tag, built ONCE per session through the project's own offline
-  path (:func:`launcher.image.build_image`): debootstrap base and host-side wheels are made if missing,
+  path (:func:`launcher.image_build.build_image`): debootstrap base and host-side wheels are made if missing,
   then ``docker build`` with no network. Unchanged layers come from the engine's cache, so a session
   after the first pays seconds, not minutes. ``LAUNCHER_TEST_NO_CACHE=1`` rebuilds every layer.
 * ``run_container``: starts a container labelled ``launcher.run=test-<id>``, waits for it and returns
@@ -15,13 +15,17 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
+import subprocess
 import uuid
 from typing import Any, Callable, Iterator
 
 import pytest
 
 from launcher.errors import MissingDependency
-from launcher.image import BuildOptions, Flavour, build_image, connect, default_tag
+from launcher.engine import connect_client as connect
+from launcher.image import BuildOptions, Flavour, default_tag
+from launcher.image_build import build_image
 
 log = logging.getLogger("tests.docker")
 
@@ -53,6 +57,30 @@ def launcher_image(docker_client: Any) -> str:
     return result.tag
 
 
+PAUSE_IMAGE = "launcher-test-pause:latest"
+
+
+@pytest.fixture(scope="session")
+def pause_image(docker_client: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A one-file image (a static C program that sleeps), imported without a registry; removed at the end."""
+    gcc = shutil.which("gcc")
+    if gcc is None:
+        pytest.skip("no gcc to build the pause binary")
+    work = tmp_path_factory.mktemp("pause")
+    (work / "pause.c").write_text("#include <unistd.h>\nint main(void){for(;;)pause();}\n")
+    built = subprocess.run([gcc, "-static", "-O1", "-o", str(work / "pause"), str(work / "pause.c")], capture_output=True)
+    if built.returncode:
+        pytest.skip(f"cannot link statically: {built.stderr.decode()[:200]}")
+    subprocess.run(["tar", "-C", str(work), "-cf", str(work / "rootfs.tar"), "pause"], check=True)
+    repository, tag = PAUSE_IMAGE.split(":")
+    docker_client.api.import_image_from_file(str(work / "rootfs.tar"), repository=repository, tag=tag)
+    yield PAUSE_IMAGE
+    try:
+        docker_client.images.remove(PAUSE_IMAGE, force=True)
+    except Exception as exc:  # noqa: BLE001 - a container another test left may still use it; say so
+        log.warning("could not remove %s: %s", PAUSE_IMAGE, exc)
+
+
 @pytest.fixture
 def run_container(docker_client: Any) -> Iterator[RunContainer]:
     """``run_container(image, command, **kwargs) -> (exit_status, output)``; no network by default.
@@ -78,3 +106,12 @@ def run_container(docker_client: Any) -> Iterator[RunContainer]:
             container.remove(force=True)
         except Exception as exc:  # noqa: BLE001 - teardown must try every container
             log.warning("could not remove test container %s: %s", container.short_id, exc)
+
+
+def as_invoker() -> tuple[dict[str, str], int]:
+    """Environment for a child `launcher up`, and the uid whose files the results must be: as root, act as
+    `sudo` would for user 4242, so ownership (results, a swarm secret file) is proven for a uid other than
+    the launcher's."""
+    if os.geteuid() == 0:
+        return {"SUDO_UID": "4242", "SUDO_GID": "4242"}, 4242
+    return {}, os.getuid()

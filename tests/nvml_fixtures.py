@@ -18,13 +18,19 @@ What the stub simulates is a JSON file (``NVML_STUB_CONFIG``) that it re-reads o
       "init_error": "DRIVER_NOT_LOADED",        # or LIBRARY_NOT_FOUND, NO_PERMISSION, ...; omit for a working driver
       "driver_version": "550.54.15",
       "missing_functions": ["nvmlDeviceGetComputeRunningProcesses_v3"],   # answer FUNCTION_NOT_FOUND
+      "hang": "nvmlDeviceGetUtilizationRates",  # (or a list) sleep in that call until killed, like a hung driver
+      "hang_s": 0.2,                            # ... or only this long (a slow driver)
+      "hang_after_calls": 1,                    # ... after answering that many such calls
+      "crash": "nvmlDeviceGetName",             # that call dies of SIGSEGV (a broken library)
       "gpus": [{
         "uuid": "GPU-...", "name": "NVIDIA A100-SXM4-80GB", "pci_bus_id": "00000000:07:00.0",
         "memory_total_bytes": 85899345920, "memory_used_bytes": 0, "memory_reserved_bytes": 0,
         "gpu_utilization_pct": 0, "memory_utilization_pct": 0,     # null: NOT_SUPPORTED
-        "processes": [{"pid": 1234, "used_memory_bytes": 1073741824}],
+        "processes": [{"pid": 1234, "used_memory_bytes": 1073741824,
+                       "gpu_instance_id": 1, "compute_instance_id": 0}],   # the IDs only on a MIG GPU
         "mig_mode": 0,                                              # null/absent: no MIG support
-        "mig_devices": [{"uuid": "MIG-...", "memory_total_bytes": 1, "memory_used_bytes": 0}],
+        "mig_devices": [{"uuid": "MIG-...", "gpu_instance_id": 1,  # (default: the slot)
+                         "memory_total_bytes": 1, "memory_used_bytes": 0}],
         "error": "GPU_IS_LOST",                                     # every query on this GPU fails so
         "handle_error": "GPU_IS_LOST"                               # getting its handle fails so
       }]
@@ -42,12 +48,15 @@ import json
 import os
 import shutil
 import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+REPO = Path(__file__).resolve().parents[1]
 STUB_SOURCE = Path(__file__).parent / "nvml_stub" / "nvml_stub.c"
 BUILD_DIR = STUB_SOURCE.parent / "build"
 LIB_NAME = "libnvidia-ml.so.1"
@@ -59,7 +68,8 @@ def build_stub(variant: str = "current") -> Path:
     """Compile the stub (if the source is newer than the library); return the directory holding it."""
     out_dir = BUILD_DIR / variant
     lib = out_dir / LIB_NAME
-    if lib.exists() and lib.stat().st_mtime >= STUB_SOURCE.stat().st_mtime:
+    newest = max(p.stat().st_mtime for p in STUB_SOURCE.parent.glob("*.[ch]"))  # the stub and its json.h
+    if lib.exists() and lib.stat().st_mtime >= newest:
         return out_dir
     gcc = shutil.which("gcc") or shutil.which("cc")
     if gcc is None:
@@ -124,7 +134,7 @@ class NvmlStub:
 
     def configure(self, config: dict[str, Any]) -> Path:
         """Write ``config`` (see the module docstring) and start NVML afresh on the next read."""
-        from launcher import nvml
+        from launcher.gpu import nvml
 
         tmp = self.config_path.with_suffix(".tmp")
         tmp.write_text(json.dumps(config))
@@ -170,7 +180,7 @@ def nvml_stub(nvml_stub_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPat
     global _loaded_in_process
     import pynvml
 
-    from launcher import nvml
+    from launcher.gpu import nvml
 
     lib = nvml_stub_dir / LIB_NAME
     if _loaded_in_process is None:
@@ -183,3 +193,54 @@ def nvml_stub(nvml_stub_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPat
     nvml.shutdown()
     yield stub
     nvml.shutdown()
+
+
+# ------------------------------------------------------------------------------ a live run on the stand-in
+def wait_for(pred: Any, timeout: float, what: str) -> Any:
+    """Poll ``pred`` every 0.1 s until it returns something true (returned), else fail naming ``what``."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        got = pred()
+        if got:
+            return got
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+class LiveRun:
+    """`launcher up` on the process backend with the stand-in NVML, its stderr in a file; ended in ``close``
+    (SIGTERM: the launcher tears the run down and exits 130). ``describe`` rewrites the stand-in mid-run."""
+
+    def __init__(self, stub: NvmlStub, tmp_path: Path, *up_args: str, **env: str) -> None:
+        self.stub, self.results, self.log = stub, tmp_path / "results", tmp_path / "stderr.log"
+        self.env = {**stub.env(TF_CPP_MIN_LOG_LEVEL="3", PYTHONUNBUFFERED="1"), **env}
+        self._err = self.log.open("w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "launcher", "up", "--backend", "process", "--workers", "2", "--max-steps",
+             "10000000", "--progress", "plain", "--results", str(self.results), *up_args],
+            cwd=REPO, env=self.env, stdout=subprocess.DEVNULL, stderr=self._err)
+        self.record_path: Path = wait_for(lambda: next(iter(self.results.glob("*/run.json")), None), 60, "run.json")
+        self.record: dict[str, Any] = wait_for(
+            lambda: (r := self.read_record()).get("state") == "running" and r, 120, "the run to be running")
+        plan = json.loads((self.record_path.parent / "plan.json").read_text())
+        self.leased: str = plan["master"]["gpu_uuids"][0]
+
+    def read_record(self) -> dict[str, Any]:
+        record: dict[str, Any] = json.loads(self.record_path.read_text())
+        return record
+
+    def describe(self, cfg: dict[str, Any]) -> None:
+        """Rewrite the stand-in's JSON while the run is live (atomically: the stub re-reads it on every call)."""
+        tmp = self.stub.config_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(cfg))
+        os.replace(tmp, self.stub.config_path)
+
+    def close(self) -> int:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self._err.close()
+        return self.proc.returncode

@@ -1,9 +1,9 @@
 """Pytest plugin: one real CartPole PPO run trained to a mean return of 475, shared by the session.
 
 It goes through the real CLI (`python -m launcher up --json`) with stderr a pipe, so the same run gives the
-plain progress lines (tests/test_progress.py), the --json result and result.json (tests/test_schemas.py), a
-finished run for `launcher runs` (tests/test_runs.py) and a trained model for `launcher eval`
-(tests/test_eval.py). About 25 s on 2 cores.
+plain progress lines (tests/unit/host/test_progress.py), the --json result and result.json (tests/unit/host/test_schemas.py), a
+finished run for `launcher runs` (tests/unit/host/test_runs.py) and a trained model for `launcher eval`
+(tests/unit/run/test_eval.py). About 25 s on 2 cores.
 """
 
 from __future__ import annotations

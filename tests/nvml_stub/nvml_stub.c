@@ -19,16 +19,25 @@
  *                           NVIDIA took it out again; current nvml.h and pynvml use the v2 layout.
  *   nvmlPciInfo_t           {busIdLegacy[16], domain, bus, device, pciDeviceId, pciSubSystemId, busId[32]}
  *
+ * A driver that hangs: "hang": "nvmlDeviceGetUtilizationRates" (or a list of names) makes that entry point
+ * sleep forever (or "hang_s" seconds) before answering, as a real driver stuck in an ioctl would, until a
+ * signal kills the process; "hang_after_calls": N lets the first N such calls answer. "crash": a name makes
+ * that call die of SIGSEGV, like a broken driver library. (A real hang is uninterruptible sleep, which a user-space library cannot reproduce; the
+ * launcher treats both alike: it kills the helper process and does not wait for it.)
+ *
  * Build with -DNVML_STUB_LEGACY to leave out the newer entry points entirely (the _v3 process query and
  * nvmlDeviceGetMemoryInfo_v2), as an old driver would: dlsym then fails and pynvml raises
  * NVMLError_FunctionNotFound, which is what the wrapper's fallbacks handle.
  */
 
-#include <ctype.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
+#include <time.h>
+#include <unistd.h>
 
 /* ---- NVML types and codes (values as in nvml.h) ---------------------------------------------------- */
 
@@ -94,161 +103,7 @@ typedef struct {
 #define MAX_GPUS 64
 #define MAX_MIG 8
 
-/* ---- a small JSON reader ---------------------------------------------------------------------------- */
-
-typedef enum { J_NULL, J_BOOL, J_NUM, J_STR, J_ARR, J_OBJ } jtype;
-
-typedef struct jval {
-    jtype t;
-    double num;
-    unsigned long long u; /* exact value for non-negative integers (byte counts exceed float precision) */
-    int is_uint;
-    char *str;
-    int n;
-    struct jval *items;
-    char **keys;
-} jval;
-
-typedef struct {
-    const char *s;
-    size_t i, len;
-    int err;
-} jparser;
-
-static void jskip(jparser *p) {
-    while (p->i < p->len && isspace((unsigned char)p->s[p->i])) p->i++;
-}
-
-static int jparse(jparser *p, jval *out);
-
-static char *jparse_str(jparser *p) {
-    if (p->s[p->i] != '"') { p->err = 1; return NULL; }
-    p->i++;
-    char *buf = malloc(p->len - p->i + 1);
-    size_t o = 0;
-    while (p->i < p->len && p->s[p->i] != '"') {
-        char c = p->s[p->i++];
-        if (c == '\\' && p->i < p->len) {
-            char e = p->s[p->i++];
-            switch (e) {
-            case 'n': c = '\n'; break;
-            case 't': c = '\t'; break;
-            case 'r': c = '\r'; break;
-            case 'b': c = '\b'; break;
-            case 'f': c = '\f'; break;
-            case 'u': /* non-ASCII is not needed by any test; keep the byte count sane */
-                c = '?';
-                p->i += (p->i + 4 <= p->len) ? 4 : 0;
-                break;
-            default: c = e; break; /* \" \\ \/ */
-            }
-        }
-        buf[o++] = c;
-    }
-    if (p->i >= p->len) { p->err = 1; free(buf); return NULL; }
-    p->i++; /* closing quote */
-    buf[o] = '\0';
-    return buf;
-}
-
-static int jparse(jparser *p, jval *out) {
-    memset(out, 0, sizeof(*out));
-    jskip(p);
-    if (p->i >= p->len) { p->err = 1; return -1; }
-    char c = p->s[p->i];
-    if (c == '{' || c == '[') {
-        int obj = c == '{';
-        out->t = obj ? J_OBJ : J_ARR;
-        p->i++;
-        int cap = 4;
-        out->items = calloc(cap, sizeof(jval));
-        if (obj) out->keys = calloc(cap, sizeof(char *));
-        jskip(p);
-        if (p->i < p->len && p->s[p->i] == (obj ? '}' : ']')) { p->i++; return 0; }
-        for (;;) {
-            if (out->n == cap) {
-                cap *= 2;
-                out->items = realloc(out->items, cap * sizeof(jval));
-                if (obj) out->keys = realloc(out->keys, cap * sizeof(char *));
-            }
-            if (obj) {
-                jskip(p);
-                char *k = jparse_str(p);
-                if (!k) return -1;
-                out->keys[out->n] = k;
-                jskip(p);
-                if (p->i >= p->len || p->s[p->i] != ':') { p->err = 1; out->n++; return -1; }
-                p->i++;
-            }
-            int rc = jparse(p, &out->items[out->n]);
-            out->n++;
-            if (rc) return -1;
-            jskip(p);
-            if (p->i < p->len && p->s[p->i] == ',') { p->i++; continue; }
-            if (p->i < p->len && p->s[p->i] == (obj ? '}' : ']')) { p->i++; return 0; }
-            p->err = 1;
-            return -1;
-        }
-    }
-    if (c == '"') {
-        out->t = J_STR;
-        out->str = jparse_str(p);
-        return out->str ? 0 : -1;
-    }
-    if (!strncmp(p->s + p->i, "true", 4)) { out->t = J_BOOL; out->num = 1; p->i += 4; return 0; }
-    if (!strncmp(p->s + p->i, "false", 5)) { out->t = J_BOOL; p->i += 5; return 0; }
-    if (!strncmp(p->s + p->i, "null", 4)) { out->t = J_NULL; p->i += 4; return 0; }
-    char *end = NULL;
-    out->t = J_NUM;
-    out->num = strtod(p->s + p->i, &end);
-    if (end == p->s + p->i) { p->err = 1; return -1; }
-    size_t span = (size_t)(end - (p->s + p->i));
-    if (c != '-' && !memchr(p->s + p->i, '.', span) && !memchr(p->s + p->i, 'e', span) &&
-        !memchr(p->s + p->i, 'E', span)) {
-        out->u = strtoull(p->s + p->i, NULL, 10);
-        out->is_uint = 1;
-    }
-    p->i += span;
-    return 0;
-}
-
-static void jfree(jval *v) {
-    if (!v) return;
-    free(v->str);
-    for (int k = 0; k < v->n; k++) {
-        jfree(&v->items[k]);
-        if (v->keys) free(v->keys[k]);
-    }
-    free(v->items);
-    free(v->keys);
-}
-
-static jval *jget(jval *obj, const char *key) {
-    if (!obj || obj->t != J_OBJ) return NULL;
-    for (int k = 0; k < obj->n; k++)
-        if (!strcmp(obj->keys[k], key)) return &obj->items[k];
-    return NULL;
-}
-
-static jval *jat(jval *arr, int idx) {
-    if (!arr || arr->t != J_ARR || idx < 0 || idx >= arr->n) return NULL;
-    return &arr->items[idx];
-}
-
-static unsigned long long jnum(jval *v, unsigned long long dflt) {
-    if (!v || v->t != J_NUM) return dflt;
-    return v->is_uint ? v->u : (unsigned long long)v->num;
-}
-
-/* A field given as a list is a sequence over calls: element `call`, the last one once past the end. */
-static jval *jseq(jval *v, unsigned call) {
-    if (!v || v->t != J_ARR || v->n == 0) return v;
-    return &v->items[call < (unsigned)v->n ? (int)call : v->n - 1];
-}
-
-static const char *jstr(jval *v, const char *dflt) {
-    return (v && v->t == J_STR) ? v->str : dflt;
-}
+#include "json.h"
 
 /* ---- state ---------------------------------------------------------------------------------------- */
 
@@ -342,10 +197,52 @@ static int function_missing(const char *name) {
     return 0;
 }
 
+static int function_hangs(const char *name) {
+    jval *h = jget(&config, "hang");
+    if (h && h->t == J_STR) return !strcmp(h->str, name);
+    for (int k = 0; h && h->t == J_ARR && k < h->n; k++)
+        if (!strcmp(jstr(&h->items[k], ""), name)) return 1;
+    return 0;
+}
+
+static int function_crashes(const char *name) {
+    jval *c = jget(&config, "crash");
+    return c && c->t == J_STR && !strcmp(c->str, name);
+}
+
+/* Die of SIGSEGV as a broken library would, without leaving a core file in the test's working directory. */
+static void crash(void) {
+    struct rlimit none = {0, 0};
+    setrlimit(RLIMIT_CORE, &none);
+    signal(SIGSEGV, SIG_DFL);
+    raise(SIGSEGV);
+}
+
+/* "hang": sleep (forever, or "hang_s" seconds) with the lock released, then carry on. */
+static unsigned hang_calls; /* calls of a "hang" entry point so far, in this process */
+
+static void maybe_hang(const char *name) {
+    if (!function_hangs(name)) return;
+    if (hang_calls++ < (unsigned)jnum(jget(&config, "hang_after_calls"), 0)) return; /* answer the first N */
+    jval *secs = jget(&config, "hang_s");
+    double s = (secs && secs->t == J_NUM) ? secs->num : -1;
+    pthread_mutex_unlock(&stub_lock);
+    if (s < 0) {
+        for (;;) pause();
+    }
+    struct timespec ts = {(time_t)s, (long)((s - (double)(time_t)s) * 1e9)};
+    while (nanosleep(&ts, &ts)) {}
+    pthread_mutex_lock(&stub_lock);
+    load_config();
+}
+
 #define ENTER(fname)                                                   \
     pthread_mutex_lock(&stub_lock);                                    \
     load_config();                                                     \
     nvmlReturn_t rc_ = NVML_SUCCESS;                                   \
+    if (!config_ok) { rc_ = NVML_ERROR_UNKNOWN; goto out_; }           \
+    maybe_hang(fname);                                                 \
+    if (function_crashes(fname)) crash();                              \
     if (!config_ok) { rc_ = NVML_ERROR_UNKNOWN; goto out_; }           \
     if (function_missing(fname)) { rc_ = NVML_ERROR_FUNCTION_NOT_FOUND; goto out_; }
 
@@ -703,5 +600,17 @@ nvmlReturn_t nvmlDeviceIsMigDeviceHandle(nvmlDevice_t device, unsigned int *isMi
     if (rc) FAIL(rc);
     if (!isMigDevice) FAIL(NVML_ERROR_INVALID_ARGUMENT);
     *isMigDevice = mig != NULL;
+    LEAVE()
+}
+
+nvmlReturn_t nvmlDeviceGetGpuInstanceId(nvmlDevice_t device, unsigned int *id) {
+    ENTER_INITIALISED("nvmlDeviceGetGpuInstanceId")
+    jval *gpu, *mig;
+    int gi;
+    nvmlReturn_t rc = lookup(device, &gpu, &mig, &gi);
+    if (rc) FAIL(rc);
+    if (!mig) FAIL(NVML_ERROR_INVALID_ARGUMENT); /* only MIG device handles have one */
+    if (!id) FAIL(NVML_ERROR_INVALID_ARGUMENT);
+    *id = (unsigned int)jnum(jget(mig, "gpu_instance_id"), (unsigned long long)device->mig);
     LEAVE()
 }

@@ -1,0 +1,180 @@
+"""Collection overlaps learning (issue 17): the policy lag is bounded, visible, corrected and, when too old, dropped.
+
+Real parts throughout: gymnasium's own vector envs, the numpy policy, TensorFlow's PPO learner, a real master
+process on loopback with this test as its group, and the real CLI for whole runs (``trained_cartpole`` is the
+session's default CartPole run, tests/run_fixtures.py).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import gymnasium
+import numpy as np
+import pytest
+
+from tests.helpers import ROOT, SECRET, child_env, launcher_cmd, only_run, status_of, wait_for
+from worker.algorithms import hparams
+from worker.algorithms.rollout import Collector
+from worker.contract import GroupAssignment, RunSpec
+from worker.models import Architecture, NumpyPolicy, expected_shapes, get_named_weights
+from worker.protocol import Connection, MsgType, client_handshake
+from worker.rounds import PpoRounds, policy_lag
+
+
+def progress_records(run_dir: Path) -> list[dict[str, Any]]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r.get("type") == "progress"]
+
+
+# ------------------------------------------------------------------------------------------- pure parts
+def test_a_round_drops_segments_older_than_the_bound_and_reports_the_lag_of_the_rest() -> None:
+    rounds = PpoRounds(max_queue=8, update_wait_s=60.0, max_staleness=2)
+    seg = {"logp": np.zeros(3, np.float32)}
+    for group, version in ((0, 9), (1, 8), (2, 7), (3, 3)):
+        rounds.add(group, f"link{group}", {"version": version}, seg)
+    links, parts, stale = rounds.take(version=9)
+    assert links == ["link0", "link1", "link2", "link3"]  # every sender gets weights, the dropped one too
+    assert stale == 1 and len(parts) == 3  # version 3 is 6 behind: counted, not learned from
+    assert rounds.lags == [0, 1, 2] and len(rounds) == 0
+    assert policy_lag(5, 7) == 0  # weights from before a resume are not "negative lag"
+
+
+def test_the_synchronous_round_is_an_option_and_overlap_the_default() -> None:
+    assert hparams.resolve("ppo", "CartPole-v1")["sync"] is False
+    assert hparams.resolve("a3c", "CartPole-v1")["sync"] is False
+    assert hparams.resolve("ppo", "CartPole-v1", {"sync": True})["sync"] is True
+    # Snake keeps its documented synchronous round (docs/benchmarks.md has the measurements why).
+    assert hparams.resolve("ppo", "launcher/Snake-v0")["sync"] is True
+    assert hparams.resolve("ppo", "launcher/Snake-v0", {"sync": False})["sync"] is False
+    with pytest.raises(ValueError, match="sync must be true or false, got 'yes'"):
+        hparams.resolve("ppo", "CartPole-v1", {"sync": "yes"})
+
+
+def test_next_step_autoreset_rows_are_masked_out_and_truncation_bootstraps() -> None:
+    """CartPole's own vector env resets a finished copy on the *next* step (reward 0, action ignored)."""
+    vec = gymnasium.make_vec("CartPole-v1", num_envs=2, vectorization_mode="vector_entry_point", max_episode_steps=5)
+    arch = Architecture.for_spaces(vec.single_observation_space, vec.single_action_space)
+    pol = NumpyPolicy(arch)
+    pol.set_weights({k: np.full(s, 0.01, np.float32) for k, s in expected_shapes(arch).items()}, 3)
+    col = Collector(vec, pol, gamma=0.99, lam=0.95, seed=0)
+    seg = col.collect(12)
+    # Per copy: steps 0-4 an episode (truncated), 5 a reset, 6-10 an episode, 11 a reset.
+    assert seg.valid is not None and seg.valid.sum(axis=0).tolist() == [10, 10]
+    assert seg.steps == 20 == col.total_steps and len(seg.flat()["obs"]) == 20
+    assert seg.episode_lengths == [5, 5, 5, 5] and seg.episode_returns == [5.0] * 4
+    # The truncated last step bootstraps from V(final obs) (positive here), a terminal one would not.
+    v_final = pol.forward(seg.obs[5])[1]
+    np.testing.assert_allclose(seg.returns[4], 1.0 + 0.99 * v_final, rtol=1e-5)
+
+
+def test_the_learner_corrects_lagged_segments_with_truncated_importance_weights() -> None:
+    """Lag 0: the weights are 1 (classic PPO). Behaviour log-probs far below the learner's: weights cut at rho_bar."""
+    from worker.algorithms.ppo import PPOLearner
+
+    arch = Architecture(kind="mlp", obs_shape=(4,), continuous=False, n_outputs=2)
+    hp = {**hparams.resolve("ppo", "CartPole-v1"), "epochs": 1, "minibatches": 1}
+    learner = PPOLearner(arch, hp, seed=0)
+    pol = NumpyPolicy(arch)
+    pol.set_weights(get_named_weights(learner.model), 0)
+    rng = np.random.default_rng(0)
+    obs = rng.standard_normal((64, 4)).astype(np.float32)
+    actions, logp, _ = pol.act(obs, rng)
+    batch = {"obs": obs, "actions": actions, "logp": logp, "advantages": rng.standard_normal(64).astype(np.float32),
+             "returns": np.zeros(64, np.float32)}
+    assert learner.update(batch)["is_weight"] == pytest.approx(1.0, abs=1e-4)
+    lagged = learner.update({**batch, "logp": logp - 5.0})  # the behaviour policy made these actions rarer
+    assert lagged["is_weight"] == pytest.approx(1.0, abs=1e-6)  # truncated at rho_bar = 1
+    assert learner.update({**batch, "logp": logp + 1.0})["is_weight"] < 0.5  # over-represented: down-weighted
+
+
+# ------------------------------------------------------------------------------------- a real master
+def test_a_stale_segment_is_counted_and_not_applied(tmp_path: Path) -> None:
+    """This test is group 0 of a real master process: a segment 10 versions old is dropped, a fresh one learned."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    spec = RunSpec(run_id="stale-test", env_id="CartPole-v1", algo="ppo", seed=0, master_port=port,
+                   results_dir=str(tmp_path), checkpoint_every=1000, groups=(GroupAssignment(0, 1),),
+                   hparams={"update_wait_s": 0.1})
+    (tmp_path / "spec.json").write_text(spec.to_json())
+    master = subprocess.Popen([sys.executable, "-m", "worker", "master", "--spec", str(tmp_path / "spec.json")],
+                              cwd=ROOT, env=child_env(LAUNCHER_SECRET=SECRET, LAUNCHER_LOG_LEVEL="WARNING"),
+                              stdout=open(tmp_path / "master.log", "wb"), stderr=subprocess.STDOUT)
+    try:
+        conn = wait_for(lambda: _join(port, spec), 90, "the master to accept group 0")
+        assert _next_weights(conn) == 0
+        n = 8
+        arrays = {"obs": np.zeros((n, 4), np.float32), "actions": np.zeros(n, np.int64),
+                  "logp": np.full(n, -0.69, np.float32), "advantages": np.ones(n, np.float32),
+                  "returns": np.ones(n, np.float32), "ep_returns": np.zeros(0), "ep_lengths": np.zeros(0, np.int32)}
+        conn.send(MsgType.TRAJ, {"version": -10, "env_steps": n}, arrays)
+        assert _next_weights(conn) == 0  # answered, so the group goes on, but nothing was learned
+        st = wait_for(lambda: (lambda d: d if d.get("policy_lag", {}).get("dropped") else None)(status_of(tmp_path)),
+                      10, "status.json to count the drop")
+        assert st["updates"] == 0 and st["network"].get("dropped.stale") == 1
+        assert st["policy_lag"] == {"mean": None, "max": 0, "dropped": 1}
+        conn.send(MsgType.TRAJ, {"version": 0, "env_steps": n}, arrays)
+        assert _next_weights(conn) == 1  # a fresh segment is learned from
+        st = wait_for(lambda: (lambda d: d if d.get("updates") else None)(status_of(tmp_path)), 10, "the update")
+        assert st["policy_lag"] == {"mean": 0.0, "max": 0, "dropped": 1}
+        conn.close()
+    finally:
+        master.terminate()
+        master.wait(timeout=60)
+
+
+def _join(port: int, spec: RunSpec) -> Connection | None:
+    import socket
+
+    try:
+        s = socket.create_connection(("127.0.0.1", port), timeout=5)
+    except OSError:
+        return None
+    conn = Connection(s, max_frame_bytes=spec.max_frame_bytes, timeout_s=30)
+    client_handshake(conn, SECRET.encode(), run_id=spec.run_id, group=0, workers=1, deadline=time.monotonic() + 60)
+    return conn
+
+
+def _next_weights(conn: Connection) -> int:
+    while True:
+        msg = conn.recv()
+        if msg.type == MsgType.WEIGHTS:
+            return int(msg.fields["version"])
+        assert msg.type == MsgType.HEARTBEAT, msg.type
+
+
+# ------------------------------------------------------------------------------------------ whole runs
+def test_the_default_run_overlaps_collection_and_its_lag_stays_within_the_bound(trained_cartpole: Any) -> None:
+    run = trained_cartpole.run_dir
+    bound = hparams.resolve("ppo", "CartPole-v1")["max_staleness"]
+    lags = [r["policy_lag"] for r in progress_records(run)]
+    last = lags[-1]
+    assert 0 < last["mean"] <= bound and last["max"] <= bound, last  # lag > 0: groups did not wait for weights
+    assert all(lag["max"] <= bound for lag in lags)
+    final = json.loads((run / "status.json").read_text())["policy_lag"]
+    assert final["max"] <= bound and final["dropped"] == last["dropped"]
+    logs = "".join(p.read_text() for p in (run / "logs").glob("group-*.log"))
+    assert "overlapped collection" in logs and "synchronous rounds" not in logs
+
+
+def test_sync_true_gives_the_synchronous_round_with_lag_zero(tmp_path: Path) -> None:
+    proc = subprocess.run(launcher_cmd("up", "--backend", "process", "--gpus", "none", "--workers", "2",
+                                       "--env", "CartPole-v1", "--algo", "ppo", "--max-steps", "6000",
+                                       "--set", "sync=true", "--results", str(tmp_path), "--json"),
+                          cwd=tmp_path, env=child_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    run = only_run(tmp_path)
+    status = json.loads((run / "status.json").read_text())
+    assert status["updates"] >= 5
+    assert status["policy_lag"] == {"mean": 0.0, "max": 0, "dropped": 0}
+    assert all(r["policy_lag"]["max"] == 0 for r in progress_records(run))
+    logs = "".join(p.read_text() for p in (run / "logs").glob("group-*.log"))
+    assert "synchronous rounds" in logs
