@@ -1,4 +1,4 @@
-"""``python -m bench [all|tts|actors|transport|memory|launch|report] [--quick]``
+"""``python -m bench [all|tts|actors|learning|update|transport|memory|launch|report] [--quick]``
 
 Runs the benchmarks, prints a table for each, writes ``bench/results/<name>.json`` and plots, and
 regenerates ``docs/benchmarks.md`` from every result present. Each figure is a ratio against a
@@ -41,12 +41,13 @@ def save(name: str, data: dict[str, Any], command: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench")
     parser.add_argument("which", nargs="*", default=["all"],
-                        choices=["all", "tts", "actors", "transport", "memory", "launch", "report"])
+                        choices=["all", "tts", "actors", "learning", "update", "transport", "memory", "launch",
+                                 "report"])
     parser.add_argument("--quick", action="store_true", help="fewer seeds and repetitions")
     args = parser.parse_args(argv)
     which = set(args.which)
     if "all" in which:
-        which = {"transport", "actors", "memory", "launch", "tts"}
+        which = {"transport", "actors", "learning", "update", "memory", "launch", "tts"}
     cmd = "python -m bench " + " ".join(args.which) + (" --quick" if args.quick else "")
     from bench import suites, transport
 
@@ -56,9 +57,17 @@ def main(argv: list[str] | None = None) -> int:
         _print("transport", rows, ("size", "raw_ms", "protocol_ms", "pipe_ms", "protocol_vs_raw", "protocol_vs_pipe"))
     if "actors" in which:
         counts = [1, 2, 4, 8, 16, 32]
-        data = suites.actor_efficiency(counts, steps=40_000 if args.quick else 120_000)
+        data = suites.actor_efficiency(counts, steps=40_000 if args.quick else 120_000, reps=3)
         save("actors", data, cmd)
         _print("actor efficiency", data["table"], ("workers", "system_env_steps_per_s", "single_process_env_steps_per_s", "ratio"))
+    if "learning" in which:
+        data = suites.learning_on(8, steps=60_000 if args.quick else 150_000, reps=3)
+        save("learning", data, cmd)
+        _print("learning on vs off, 8 workers", data["table"], ("variant", "env_steps_per_s", "ratio_vs_learning_off"))
+    if "update" in which:
+        data = suites.update_cost(reps=1 if args.quick else 3)
+        save("update", data, cmd)
+        _print("PPO update cost", data["table"], ("threads", "xla", "first_call_ms", "update_ms"))
     if "memory" in which:
         data = suites.memory(32)
         save("memory", data, cmd)

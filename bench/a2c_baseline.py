@@ -1,8 +1,9 @@
 """The baseline every time-to-solve figure is divided by: a tuned single-process A2C.
 
-Same env, same network (worker.models: 64-64 tanh towers), vectorised envs (8, gymnasium
-SyncVectorEnv semantics by hand), numpy inference, a TF train step, no transport. This is the best a
-user gets from one process on this machine; the launcher has to beat it by using both cores.
+Same env, same network (worker.models: 64-64 tanh towers), 8 envs stepped as one vector env exactly as a
+worker group steps them (``worker.envs.make_vector_env``: gymnasium's own numpy CartPole), numpy
+inference, a TF train step, no transport. This is the best a user gets from one process on this machine;
+the launcher has to beat it by using both cores.
 """
 
 from __future__ import annotations
@@ -30,18 +31,18 @@ def solve_cartpole(seed: int, *, target: float = 475.0, window: int = 100, n_env
 
     from worker.algorithms.a3c import A3CGradients
     from worker.algorithms.rollout import Collector
-    from worker.envs import make_env
+    from worker.envs import make_vector_env
     from worker.models import Architecture, NumpyPolicy, get_named_weights
 
-    envs = [make_env("CartPole-v1", seed=seed * 100 + i) for i in range(n_envs)]
+    envs = make_vector_env("CartPole-v1", n_envs)
     hp = {"vf_coef": 0.5, "ent_coef": 0.001}
-    arch = Architecture.for_spaces(envs[0].observation_space, envs[0].action_space)
+    arch = Architecture.for_spaces(envs.single_observation_space, envs.single_action_space)
     learner = A3CGradients(arch, hp, seed)  # one model: compute gradients and apply them in place
     opt = tf.keras.optimizers.Adam(learning_rate=lr, epsilon=1e-5)
     variables = learner.variables
     policy = NumpyPolicy(arch)
     policy.set_weights(get_named_weights(learner.model), 0)
-    collector = Collector(envs, policy, gamma=0.99, lam=1.0, seed=seed)
+    collector = Collector(envs, policy, gamma=0.99, lam=1.0, seed=seed * 100)
     recent: collections.deque[float] = collections.deque(maxlen=window)
     version = 0
 

@@ -1,7 +1,7 @@
 """``python -m bench.reliability [--ci] [--seed N] [--out FILE]``: run the fault suite and print its figures.
 
 Full counts by default (``FAULT_FULL=1``: 5 worker kills per backend, 8 master kills, 20 signal cycles,
-6 docker signal cycles, 200 concurrency trials, 10,000 hostile frames), plus tests/test_master_fuzz.py with
+6 docker signal cycles, 200 concurrency trials, 10,000 hostile frames), plus tests/unit/run/test_master_fuzz.py with
 ``FUZZ_FRAMES=10000``. ``--ci`` runs the CI counts instead. Every test appends what it measured to a JSON
 lines file (``FAULT_REPORT``); this script prints that as the markdown table docs/reliability.md holds.
 On 2 busy cores the full run takes about 25-35 minutes.
@@ -32,7 +32,7 @@ ROWS: dict[str, tuple[str, tuple[str, ...]]] = {
     "master_kills": ("master SIGKILLed (random moment / mid-checkpoint), torn checkpoint, --resume",
                      ("kills", "landed_mid_write", "torn_checkpoints", "resumes_ok", "max_updates_lost",
                       "checkpoint_every", "checkpoints_restored", "exit_detect_s_max")),
-    "master_fuzz": ("hostile frames, tests/test_master_fuzz.py", ("frames", "result")),
+    "master_fuzz": ("hostile frames, tests/unit/run/test_master_fuzz.py", ("frames", "result")),
     "hostile_mix": ("hostile frames, extra kinds (nested JSON, dtypes, NaN/Inf, ...)",
                     ("frames", "pre_auth", "post_auth", "rejected", "seconds", "rss_growth_mib", "threads")),
     "slow_peers": ("slow peers at once (half a header / half a payload / silent)",
@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.ci and not args.pytest_args:
         frames = 10_000
         fuzz = subprocess.call([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider",
-                                "tests/test_master_fuzz.py"], cwd=ROOT,
+                                "tests/unit/run/test_master_fuzz.py"], cwd=ROOT,
                                env={**env, "FUZZ_FRAMES": str(frames), "FUZZ_SECONDS": "1800"})
         with open(out, "a") as fh:
             fh.write(json.dumps({"section": "master_fuzz", "frames": frames,

@@ -1,4 +1,4 @@
-"""The benchmarks of issue 6, each a ratio against a baseline measured in the same script."""
+"""The benchmarks of issues 6 and 17, each a ratio against a baseline measured in the same script."""
 
 from __future__ import annotations
 
@@ -27,58 +27,79 @@ def _baseline_solve(seed: int) -> tuple[float, int, bool]:
 
 
 def time_to_solve(seeds: list[int]) -> dict[str, Any]:
-    rows: dict[str, list[dict[str, Any]]] = {"a2c baseline (1 process)": [], "launcher ppo, 8 workers": [],
-                                             "launcher a3c, 8 workers": []}
+    contenders = {"launcher ppo, 8 workers": ("--algo", "ppo"),
+                  "launcher ppo, 8 workers, XLA (jit_compile=true)": ("--algo", "ppo", "--set", "jit_compile=true"),
+                  "launcher ppo, 8 workers, sync=true": ("--algo", "ppo", "--set", "sync=true"),
+                  "launcher a3c, 8 workers": ("--algo", "a3c")}
+    rows: dict[str, list[dict[str, Any]]] = {"a2c baseline (1 process)": [], **{name: [] for name in contenders}}
     for seed in seeds:  # interleaved, so drifting machine load hits every contender alike
         wall, steps, ok = _baseline_solve(seed)
         rows["a2c baseline (1 process)"].append({"seed": seed, "wall_s": wall, "env_steps": steps, "solved": ok})
-        for algo in ("ppo", "a3c"):
+        for name, args in contenders.items():
             with tempfile.TemporaryDirectory() as tmp:
+                t0 = time.time()
                 wall, code, doc = run_up(Path(tmp), "--backend", "process", "--workers", "8", "--env", "CartPole-v1",
-                                         "--algo", algo, "--until-return", "475", "--seed", str(seed),
-                                         "--max-steps", "2000000")
+                                         *args, "--until-return", "475", "--seed", str(seed), "--max-steps", "2000000")
+                first = _first_segment_at(Path(tmp) / str(doc.get("run_id")))
             s = doc.get("summary", {})
-            rows[f"launcher {algo}, 8 workers"].append({"seed": seed, "wall_s": wall, "env_steps": s.get("env_steps"),
-                                                        "solved": code == 0})
+            rows[name].append({"seed": seed, "wall_s": wall, "env_steps": s.get("env_steps"), "solved": code == 0,
+                               "start_s": None if first is None else first - t0})
     base = median([r["wall_s"] for r in rows["a2c baseline (1 process)"]])
     table = []
     for name, rs in rows.items():
         med = median([r["wall_s"] for r in rs])
+        starts = [r["start_s"] for r in rs if r.get("start_s") is not None]
         table.append({"contender": name, "median_wall_s": med, "median_env_steps": median([r["env_steps"] or 0 for r in rs]),
+                      "median_start_s": median(starts) if starts else None,
                       "solved": f"{sum(r['solved'] for r in rs)}/{len(rs)}", "ratio_vs_baseline": med / base,
                       "runs": rs})
     return {"table": table, "seeds": seeds}
 
 
+def _first_segment_at(run: Path) -> float | None:
+    """When the master received the run's first segment with a finished episode (epoch seconds), from
+    metrics.jsonl: everything before it is start-up (CLI, TensorFlow import, model, first collection)."""
+    try:
+        for line in (run / "metrics.jsonl").read_text().splitlines():
+            rec = json.loads(line)
+            if rec.get("type") == "episodes":
+                return float(rec["t"])
+    except (OSError, ValueError):
+        return None
+    return None
+
+
 def _single_process_rate(workers: int, steps: int) -> float:
-    """Env steps/s of one process stepping ``workers`` CartPole envs with the numpy policy; no transport, no learning."""
+    """Env steps/s of one process stepping ``workers`` CartPole envs with the numpy policy; no transport, no
+    learning. The envs are one vector env built exactly as a worker group builds its own."""
     code = f"""
 import time, numpy as np
-from worker.envs import make_env
+from worker.envs import make_vector_env
 from worker.models import Architecture, NumpyPolicy, expected_shapes
 from worker.algorithms.rollout import Collector
-envs = [make_env("CartPole-v1", seed=i) for i in range({workers})]
-arch = Architecture.for_spaces(envs[0].observation_space, envs[0].action_space)
+envs = make_vector_env("CartPole-v1", {workers})
+arch = Architecture.for_spaces(envs.single_observation_space, envs.single_action_space)
 pol = NumpyPolicy(arch)
 rng = np.random.default_rng(0)
 pol.set_weights({{k: (rng.standard_normal(s) * 0.1).astype(np.float32) for k, s in expected_shapes(arch).items()}}, 0)
 col = Collector(envs, pol, gamma=0.99, lam=0.95, seed=0)
 n = max(1, {steps} // (64 * {workers}))
 col.collect(64)
-t = time.perf_counter()
+t, done = time.perf_counter(), 0
 for _ in range(n):
-    col.collect(64)
-print(n * 64 * {workers} / (time.perf_counter() - t))
+    done += col.collect(64).steps
+print(done / (time.perf_counter() - t))
 """
-    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=600)
+    # The same thread settings a group gets from the launcher (one BLAS thread): a like-for-like process.
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**env(), "OMP_NUM_THREADS": "1",
+                       "OPENBLAS_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
     return float(p.stdout.strip().splitlines()[-1])
 
 
-def _system_rate(results: Path, workers: int, steps: int) -> float:
-    # epochs=0: the master re-broadcasts the weights without training, so this measures acting, transport
-    # and the round barrier alone (learning-bound speed is what time-to-solve measures).
+def _system_rate(results: Path, workers: int, steps: int, *extra: str) -> float:
+    """Env steps/s of a whole ``launcher up`` run, from its own metrics after the first steps."""
     wall, code, doc = run_up(results, "--backend", "process", "--workers", str(workers), "--env", "CartPole-v1",
-                             "--algo", "ppo", "--max-steps", str(steps), "--set", "epochs=0")
+                             "--algo", "ppo", "--max-steps", str(steps), *extra)
     run = results / doc["run_id"]
     prog = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     prog = [r for r in prog if r.get("type") == "progress" and r["env_steps"] > 0]
@@ -86,15 +107,85 @@ def _system_rate(results: Path, workers: int, steps: int) -> float:
     return (last["env_steps"] - first["env_steps"]) / max(last["wall_s"] - first["wall_s"], 1e-6)
 
 
-def actor_efficiency(worker_counts: list[int], steps: int) -> dict[str, Any]:
+# epochs=0: the master re-broadcasts the weights without training, so this measures acting, transport and
+# the rounds alone (learning-bound speed is what time-to-solve and learning_on measure).
+LEARNING_OFF = ("--set", "epochs=0")
+
+
+def actor_efficiency(worker_counts: list[int], steps: int, reps: int = 3) -> dict[str, Any]:
+    """System vs one process, learning off, ``reps`` interleaved repetitions per worker count (medians)."""
     table = []
     for w in worker_counts:
-        with tempfile.TemporaryDirectory() as tmp:
-            system = _system_rate(Path(tmp), w, steps)
-        single = _single_process_rate(w, steps // 2)
-        table.append({"workers": w, "system_env_steps_per_s": system, "single_process_env_steps_per_s": single,
-                      "ratio": system / single})
-    return {"table": table, "steps": steps}
+        runs = []
+        for _ in range(reps):
+            with tempfile.TemporaryDirectory() as tmp:
+                system = _system_rate(Path(tmp), w, steps, *LEARNING_OFF)
+            single = _single_process_rate(w, steps // 2)
+            runs.append({"system": system, "single": single, "ratio": system / single})
+        table.append({"workers": w, "system_env_steps_per_s": median([r["system"] for r in runs]),
+                      "single_process_env_steps_per_s": median([r["single"] for r in runs]),
+                      "ratio": median([r["ratio"] for r in runs]), "runs": runs})
+    return {"table": table, "steps": steps, "reps": reps}
+
+
+def learning_on(workers: int = 8, steps: int = 150_000, reps: int = 3) -> dict[str, Any]:
+    """Env steps/s while PPO learns CartPole against the same run with learning off (interleaved; medians),
+    overlapped (the default) and with the synchronous round (``sync=true``)."""
+    variants = {"learning off": LEARNING_OFF, "learning on (overlapped)": (),
+                "learning on (overlapped, XLA)": ("--set", "jit_compile=true"),
+                "learning on (sync=true)": ("--set", "sync=true")}
+    runs: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(reps):
+        for name, extra in variants.items():
+            with tempfile.TemporaryDirectory() as tmp:
+                runs[name].append(_system_rate(Path(tmp), workers, steps, *extra))
+    off = median(runs["learning off"])
+    table = [{"variant": name, "env_steps_per_s": median(rs), "ratio_vs_learning_off": median(rs) / off, "runs": rs}
+             for name, rs in runs.items()]
+    return {"table": table, "workers": workers, "steps": steps, "reps": reps}
+
+
+_UPDATE_CODE = """
+import os, sys, time
+os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
+import numpy as np, tensorflow as tf
+threads, jit = int(sys.argv[1]), sys.argv[2] == "1"
+tf.config.threading.set_intra_op_parallelism_threads(threads)
+tf.config.threading.set_inter_op_parallelism_threads(1)
+from worker.algorithms import hparams
+from worker.algorithms.ppo import PPOLearner
+from worker.models import Architecture
+arch = Architecture(kind="mlp", obs_shape=(4,), continuous=False, n_outputs=2)
+learner = PPOLearner(arch, hparams.resolve("ppo", "CartPole-v1", {"jit_compile": jit}), 0)
+rng = np.random.default_rng(0)
+def batch(n):
+    return {"obs": rng.standard_normal((n, 4)).astype(np.float32), "actions": rng.integers(0, 2, n),
+            "logp": np.full(n, -0.69, np.float32), "advantages": rng.standard_normal(n).astype(np.float32),
+            "returns": rng.standard_normal(n).astype(np.float32)}
+t = time.perf_counter(); learner.update(batch(512)); first = time.perf_counter() - t
+times = []
+for _ in range(60):  # 8 workers x 64 steps, less the masked reset rows: 480-512 samples a round
+    b = batch(int(rng.integers(480, 513)))
+    t = time.perf_counter(); learner.update(b); times.append(time.perf_counter() - t)
+print(first * 1e3, float(np.median(times)) * 1e3)
+"""
+
+
+def update_cost(reps: int = 3) -> dict[str, Any]:
+    """The PPO learner's update (4 epochs x 4 minibatches of a ~512-sample round) with and without XLA, with 1
+    and 2 TensorFlow threads: first call (trace or compile) and the median of 60 updates; medians of ``reps``."""
+    table = []
+    for threads in (1, 2):
+        for jit in (False, True):
+            firsts, meds = [], []
+            for _ in range(reps):
+                p = subprocess.run([sys.executable, "-c", _UPDATE_CODE, str(threads), "1" if jit else "0"], cwd=ROOT,
+                                   env=env(), capture_output=True, text=True, timeout=600)
+                first, med = map(float, p.stdout.strip().splitlines()[-1].split())
+                firsts.append(first)
+                meds.append(med)
+            table.append({"threads": threads, "xla": jit, "first_call_ms": median(firsts), "update_ms": median(meds)})
+    return {"table": table, "reps": reps}
 
 
 def memory(workers: int = 32) -> dict[str, Any]:

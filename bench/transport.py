@@ -54,6 +54,7 @@ def protocol_once(weights: dict[str, np.ndarray], reps: int) -> list[float]:
     spare = {k: np.empty_like(a) for k, a in weights.items()}
     for v in range(reps):
         parts = p.encode_parts(MsgType.WEIGHTS, {"version": v}, weights)  # encoded once per version, as the master does
+        _ = parts.digest  # and hashed once per version (the payload hash under each connection's MAC), as it does
         t0 = time.perf_counter()
         sender = threading.Thread(target=server.send_parts, args=(parts,))
         sender.start()
