@@ -65,8 +65,11 @@ ARG UID=10001
 # A named user for plain `docker run`; the launcher runs containers as the invoking host user instead
 # (--user $(id -u):$(id -g)) so result files on bind mounts belong to that user. Any uid works: nothing
 # outside /tmp is written, HOME and every cache point into /tmp, and the venv is world-readable.
+# No setuid/setgid programs (su, passwd, mount, ...): nothing in a run needs them, and Docker 20.10 drops
+# no-new-privileges on Swarm tasks, so a compromised env could otherwise use them to become root.
 RUN echo "launcher:x:${UID}:${UID}:launcher:/tmp:/usr/sbin/nologin" >>/etc/passwd \
- && echo "launcher:x:${UID}:" >>/etc/group
+ && echo "launcher:x:${UID}:" >>/etc/group \
+ && find / -xdev -type f -perm /6000 -exec chmod a-s {} +
 # Declared after the last RUN: the legacy builder keys a RUN's cache on every ARG in scope, and
 # REVISION changes with each commit.
 ARG BASE_IMAGE

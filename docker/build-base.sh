@@ -90,7 +90,9 @@ else
   # The merged-usr hook sets up the /usr merge itself; without it bookworm gets usrmerge and so perl (+47 MB).
   set -- mmdebstrap --variant=minbase --include="$PACKAGES" --hook-dir=/usr/share/mmdebstrap/hooks/merged-usr
 fi
-"$@" "$SUITE" "$ROOTFS" "$MIRROR" >"$WORK/$BOOTSTRAP.log" 2>&1 \
+# The full log goes to a file; its "I:" milestones (retrieving, extracting, configuring) also reach stderr, so
+# `launcher up` shows the minutes of a cold base build as progress instead of silence.
+"$@" "$SUITE" "$ROOTFS" "$MIRROR" 2>&1 | tee "$WORK/$BOOTSTRAP.log" | sed -un 's/^I: /build-base: /p' >&2 \
   || { tail -n 20 "$WORK/$BOOTSTRAP.log" >&2; die "$BOOTSTRAP failed (log: $WORK/$BOOTSTRAP.log)" \
        "check that $MIRROR is reachable (MIRROR=... overrides it)"; }
 log "$BOOTSTRAP done in $(( $(date +%s) - start )) s"
