@@ -74,7 +74,7 @@ def architecture_of(run_dir: RunDir) -> Architecture:
     from worker.envs import make_env
 
     spec = run_spec(run_dir)
-    env = make_env(spec["env_id"], seed=0)
+    env = make_env(spec["env_id"], seed=0, **(spec.get("env_args") or {}))
     try:
         hp = hparams.resolve(spec["algo"], spec["env_id"], spec.get("hparams") or {})
         return Architecture.for_spaces(env.observation_space, env.action_space, hp)
@@ -199,7 +199,7 @@ def play(policy: NumpyPolicy, env: Any, *, seed: int, record: bool = False,
     return total, length, frames
 
 
-def make_render_env(env_id: str, seed: int) -> Any:
+def make_render_env(env_id: str, seed: int, env_args: dict[str, Any] | None = None) -> Any:
     """The env with ``render_mode="rgb_array"``; a missing renderer (pygame) becomes MissingDependency."""
     import os
 
@@ -211,7 +211,7 @@ def make_render_env(env_id: str, seed: int) -> Any:
     os.environ.setdefault("SDL_VIDEODRIVER", "dummy")
     os.environ.setdefault("SDL_AUDIODRIVER", "dummy")
     try:
-        env = make_env(env_id, seed=seed, render_mode="rgb_array")
+        env = make_env(env_id, seed=seed, render_mode="rgb_array", **(env_args or {}))
         env.render()
     except gymnasium.error.DependencyNotInstalled as exc:
         raise MissingDependency(f"--gif: {env_id} draws its frames with pygame, which is not installed ({exc})",
@@ -260,13 +260,14 @@ def evaluate(run_dir: RunDir, *, episodes: int = 10, checkpoint: str = "final", 
     started = time.monotonic()
     spec = run_spec(run_dir)
     env_id = str(spec["env_id"])
+    env_args = dict(spec.get("env_args") or {})
     loaded = load_weights(run_dir, checkpoint)
     policy = loaded.policy()
     returns: list[float] = []
     lengths: list[int] = []
     gif_doc: dict[str, Any] | None = None
     if gif is not None:
-        renv = make_render_env(env_id, seed)
+        renv = make_render_env(env_id, seed, env_args)
         try:
             ret, n, frames = play(policy, renv, seed=seed, record=True, max_frames=gif_max_frames)
             fps = float(renv.metadata.get("render_fps") or 30) * len(frames) / max(n + 1, 1)
@@ -276,7 +277,7 @@ def evaluate(run_dir: RunDir, *, episodes: int = 10, checkpoint: str = "final", 
         lengths.append(n)
         count = write_gif(frames, gif, fps=fps)
         gif_doc = {"path": str(gif.resolve()), "frames": count, "episode": 0}
-    env = make_env(env_id, seed=seed)
+    env = make_env(env_id, seed=seed, **env_args)
     try:
         for i in range(len(returns), episodes):
             ret, n, _ = play(policy, env, seed=seed + i)

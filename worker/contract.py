@@ -157,7 +157,9 @@ class RunSpec:
 
     Attributes:
         run_id: the run's id; names its containers, network, results directory and log lines.
-        env_id: a registered gymnasium env id (``CartPole-v1``, ``launcher/Snake-v0``, ...).
+        env_id: a gymnasium env id (``CartPole-v1``, ``launcher/Snake-v0``, ...), or gymnasium's
+            ``module:EnvId`` form naming a module to import first (``flappy_bird_gymnasium:FlappyBird-v0``).
+        env_args: keyword arguments for ``gymnasium.make`` (``--env-arg k=v``, ``[up.env_args]``).
         algo: ``ppo`` or ``a3c``.
         seed: base seed; worker w of group g uses ``seed + 1000 * g + w``.
         max_steps: total env steps over all workers after which the run ends (None: no limit).
@@ -186,6 +188,7 @@ class RunSpec:
     results_dir: str = "results"
     checkpoint_every: int = 50
     hparams: dict[str, Any] = field(default_factory=dict)
+    env_args: dict[str, Any] = field(default_factory=dict)
     groups: tuple[GroupAssignment, ...] = ()
     heartbeat_interval_s: float = 2.0
     heartbeat_timeout_s: float = 20.0

@@ -83,7 +83,7 @@ class WorkerGroup:
         self.reconnect_deadline_s = reconnect_deadline_s
         self.hp = hparams_mod.resolve(spec.algo, spec.env_id, spec.hparams)
         # Worker w of group g plays copy w of one vector env, seeded seed + 1000 g + w.
-        self.envs = make_vector_env(spec.env_id, self.assign.workers)
+        self.envs = make_vector_env(spec.env_id, self.assign.workers, **spec.env_args)
         self.arch = Architecture.for_spaces(self.envs.single_observation_space, self.envs.single_action_space, self.hp)
         self.policy = NumpyPolicy(self.arch)
         self.collector = Collector(self.envs, self.policy, gamma=float(self.hp["gamma"]),

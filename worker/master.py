@@ -64,7 +64,7 @@ class Master:
         self.secret = secret
         self.files = RunFiles(Path(spec.results_dir))
         self.hp = hparams_mod.resolve(spec.algo, spec.env_id, spec.hparams)
-        env = make_env(spec.env_id, seed=spec.seed)
+        env = make_env(spec.env_id, seed=spec.seed, **spec.env_args)
         self.arch = Architecture.for_spaces(env.observation_space, env.action_space, self.hp)
         env.close()
         self.shapes = expected_shapes(self.arch)
