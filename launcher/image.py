@@ -267,3 +267,74 @@ def choose_build_path(mode: str, options: BuildOptions, client: "DockerClient", 
         hint="offline needs debootstrap or mmdebstrap (`sudo apt-get install mmdebstrap`), root or passwordless "
              "sudo once, and a package index or a copied docker/wheels/ directory; online needs a registry "
              "(`docker pull python:3.11-slim-bookworm` must work); or pass --image with an existing image")
+
+
+# ----------------------------------------------------------------------------- extras: a derived image
+EXTRAS_LABEL = "launcher.extras"  # hash of the base image and the extras: what the derived tag is named after
+EXTRAS_PACKAGES_LABEL = "launcher.extras.packages"  # JSON list of what --with added
+EXTRAS_BASE_LABEL = "launcher.extras.base"  # the base image's reference
+EXTRAS_DOCKERFILE = "docker/Dockerfile.extras"
+
+
+@dataclass(frozen=True)
+class Extra:
+    """One ``--with`` entry: a pip requirement (``flappy-bird-gymnasium==0.4.0``) or a local wheel file.
+
+    Attributes:
+        spec: as the user gave it.
+        wheel: the wheel file, resolved, when ``spec`` names one; None for a requirement.
+        sha256: the wheel's content hash (a rebuilt wheel makes a new image); "" for a requirement.
+    """
+
+    spec: str
+    wheel: Path | None = None
+    sha256: str = ""
+
+    @property
+    def key(self) -> str:
+        """What identifies it in the derived image's hash and label."""
+        return f"{self.wheel.name}@sha256:{self.sha256}" if self.wheel is not None else self.spec
+
+
+def parse_extras(specs: tuple[str, ...] | list[str]) -> tuple[Extra, ...]:
+    """``--with`` values as :class:`Extra` entries: a value ending in ``.whl`` is a local wheel (hashed here),
+    anything else a pip requirement.
+
+    Raises:
+        BadInput: a wheel file that is not there, or a requirement that cannot be one (empty, or an option).
+    """
+    import hashlib
+
+    out, problems = [], []
+    for spec in specs:
+        spec = spec.strip()
+        if spec.endswith(".whl"):
+            path = Path(spec).expanduser().resolve()
+            if not path.is_file():
+                problems.append(f"--with {spec}: no such wheel file")
+                continue
+            out.append(Extra(spec, path, hashlib.sha256(path.read_bytes()).hexdigest()))
+        elif not spec or spec.startswith("-") or "\n" in spec:
+            problems.append(f"--with {spec!r}: not a pip requirement (e.g. ale-py, 'gymnasium[other]', "
+                            f"flappy-bird-gymnasium==0.4.0) or a .whl file")
+        else:
+            out.append(Extra(spec))
+    if problems:
+        raise BadInput("; ".join(problems), hint="--with takes a pip requirement or the path of a wheel file")
+    return tuple(out)
+
+
+def extras_hash(base_image_id: str, extras: tuple[Extra, ...]) -> str:
+    """12 hex digits naming a derived image: the base image's id and the extras, in the order given."""
+    import hashlib
+    import json
+
+    doc = json.dumps({"base": base_image_id, "with": [e.key for e in extras]}, sort_keys=True)
+    return hashlib.sha256(doc.encode()).hexdigest()[:12]
+
+
+def extras_tag(base: str, digest: str) -> str:
+    """The derived image's reference: the base's with ``-with-<hash>`` added to its tag
+    (``launcher:0.1.0-cpu`` -> ``launcher:0.1.0-cpu-with-3fa2c1d9e0b4``), so it is never taken for the base."""
+    name, _, tag = base.rpartition(":") if ":" in base.split("/")[-1] else (base, "", "latest")
+    return f"{name}:{tag[:100]}-with-{digest}"

@@ -56,7 +56,8 @@ def build_spec(cfg: RunConfig, plan: Plan, run_id: str, results_dir: Path) -> Ru
     return RunSpec(run_id=run_id, env_id=cfg.env_id, algo=cfg.algo, seed=cfg.seed, max_steps=cfg.max_steps,
                    until_return=cfg.until_return, return_window=cfg.return_window, master_host="127.0.0.1",
                    master_port=cfg.port, connect_host="127.0.0.1", results_dir=str(results_dir.resolve()),
-                   checkpoint_every=cfg.effective_checkpoint_every, hparams=dict(cfg.hparams), groups=groups)
+                   checkpoint_every=cfg.effective_checkpoint_every, hparams=dict(cfg.hparams),
+                   env_args=dict(cfg.env_args), groups=groups)
 
 
 def make_plan(cfg: RunConfig, run_id: str, *, cpu_count: int | None = None,
@@ -70,9 +71,10 @@ def make_plan(cfg: RunConfig, run_id: str, *, cpu_count: int | None = None,
     return outcome.plan, outcome.reservation
 
 
-def prepare(cfg: RunConfig, stack: ExitStack, *, report: Callable[[str], None] | None = None
-            ) -> tuple[PreparedRun, str]:
-    """Validate, plan, reserve and write the run's files. Returns (run, backend name)."""
+def prepare(cfg: RunConfig, stack: ExitStack, *, report: Callable[[str], None] | None = None,
+            on_event: Callable[[str, dict[str, Any]], None] | None = None) -> tuple[PreparedRun, str]:
+    """Validate, plan, reserve, check that the env can be made where the groups will run, and write the run's
+    files. Returns (run, backend name). ``on_event`` hears of an image build the env check needs first."""
     config_mod.check(cfg)
     backend_name, why = choose_backend(cfg.backend)
     if cfg.detach and not backend_class(backend_name).outlives_launcher:
@@ -89,6 +91,8 @@ def prepare(cfg: RunConfig, stack: ExitStack, *, report: Callable[[str], None] |
     if reservation is not None:
         stack.callback(reservation.release)
     preflight(backend_name, plan)
+    # Where the groups will run (this Python, or the run's image), before any of the run's files or containers.
+    backend_class(backend_name).check_env(cfg, plan, run_id, on_event=on_event)
     created = run_dir is None
     if run_dir is None:
         run_dir = create_run_dir(cfg.results, run_id)
@@ -135,7 +139,8 @@ def up(cfg: RunConfig, *, on_event: Callable[[str, dict[str, Any]], None] | None
         stopper = stop_signal or StopSignal()
         stopper.install()  # a Ctrl-C during planning still tears down cleanly
         stack.callback(stopper.restore)
-        run, why = prepare(cfg, stack, report=(lambda line: on_event("event", {"message": line})) if on_event else None)
+        run, why = prepare(cfg, stack, report=(lambda line: on_event("event", {"message": line})) if on_event else None,
+                           on_event=on_event)
         if on_event:
             on_event("event", {"message": why})
             on_event("event", {"message": "; ".join(run.plan.reasons)})

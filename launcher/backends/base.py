@@ -254,6 +254,18 @@ class Backend(abc.ABC):
         MissingDependency, so a run that could never start leaves no run directory behind."""
 
     @classmethod
+    def check_env(cls, cfg: RunConfig, plan: Plan, run_id: str, *, on_event: Event | None = None) -> dict[str, Any]:
+        """Make the run's env once where its worker groups will run (:mod:`launcher.backends.envcheck`), before
+        anything of the run exists; returns its description (spaces). A container backend makes sure of its
+        image first (a build, reported through ``on_event``).
+
+        Raises:
+            MissingDependency: the env's package or module is not there (exit 6).
+            BadInput: no such id, or arguments the env refuses (exit 2).
+        """
+        return {}
+
+    @classmethod
     def find(cls, run_id: str, run_dir: RunDir | None, record: dict[str, Any]) -> FoundRun:
         """The run ``run_id`` as this backend left it (``run_dir`` None: known only by its labels). A backend
         whose parts end with the launcher has nothing to find: that is the default."""

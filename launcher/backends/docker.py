@@ -28,6 +28,7 @@ import os
 from pathlib import Path
 from typing import Any, Callable
 
+from launcher.backends import envcheck
 from launcher.backends.base import Backend, BackendStatus, Event, PreparedRun
 from launcher.backends.containers import (MASTER_PORT, SECRET_MOUNT, Kind, container_user, give_to, group_limits,
                                           group_name, labels, master_limits, master_name, nano_cpus, network_name,
@@ -80,8 +81,10 @@ def container_specs(run: PreparedRun, *, image: str, gpu_runtime: bool, uid_gid:
     user, net, rid, results = f"{uid}:{gid}", network_name(run.run_id), run.run_id, run.results_dir
     cspec = container_run_spec(run.spec)
     # The secret is a file (write_secret_file) bind-mounted read-only: not in the environment or `docker inspect`.
-    secret_env = {SPEC_ENV: cspec.to_json(), SECRET_FILE_ENV: SECRET_MOUNT}
-    secret_bind = {str(secret_path(rid)): SECRET_MOUNT}
+    # --env-dir: the same read-only mount and PYTHONPATH for the master and every group (envcheck probed it so).
+    secret_env = {SPEC_ENV: cspec.to_json(), SECRET_FILE_ENV: SECRET_MOUNT,
+                  **envcheck.container_env(run.config.env_dir)}
+    secret_bind = {str(secret_path(rid)): SECRET_MOUNT, **envcheck.container_mounts(run.config.env_dir)}
     m = run.plan.master
     mlim = master_limits(m)
     lease = run.reservation if run.reservation is not None and run.reservation.uuids else None
@@ -129,7 +132,7 @@ class DockerBackend(Backend):
 
     def __init__(self, image: str | None = None, *, progress: Progress | None = None, engine: Engine | None = None,
                  gpu_runtime: bool | None = None, publish_port: int | None = None, build: str = "auto",
-                 on_build: Callable[[Any], None] | None = None) -> None:
+                 on_build: Callable[[Any], None] | None = None, with_packages: tuple[str, ...] = ()) -> None:
         """
         Args:
             image: the worker image; None: :func:`launcher.image.default_tag` of the plan's flavour.
@@ -139,8 +142,12 @@ class DockerBackend(Backend):
             publish_port: publish the master's port on the host's 127.0.0.1 (off by default).
             build: how a missing image is built: ``auto``, ``online`` or ``offline`` (``--build``).
             on_build: receives a missing image's build progress (``launcher.image_build.BuildStatus``).
+            with_packages: run on ``image`` with these added (``--with``): the derived image
+                :func:`launcher.image_build.ensure_run_image` builds or finds.
         """
         self.image = image
+        self.with_packages = tuple(with_packages)
+        self._resolved: str | None = None  # the image the run's containers use, once made sure of
         self.progress = progress or (lambda line: None)
         self._engine = engine
         self.gpu_runtime = gpu_runtime
@@ -164,7 +171,21 @@ class DockerBackend(Backend):
     def _image(self, plan: Plan) -> str:
         from launcher import image as image_mod
 
+        if self._resolved is not None:
+            return self._resolved
         return self.image or image_mod.default_tag(image_mod.flavour_for(bool(plan.gpu_uuids)))
+
+    def resolve_image(self, plan: Plan) -> str:
+        """The image the run's containers use, built first when missing: the base (``--image`` or the default
+        tag), and with ``--with`` the image derived from it (like ``launcher build --with``)."""
+        from launcher import image as image_mod
+        from launcher.image_build import ensure_run_image
+
+        if self._resolved is None:
+            self._resolved = ensure_run_image(
+                self._image(plan), self.with_packages, mode=self.build, progress=self.progress,
+                flavour=image_mod.flavour_for(bool(plan.gpu_uuids)), client=self.engine.client, on_build=self.on_build)
+        return self._resolved
 
     def _check(self, run: PreparedRun) -> None:
         """Everything that can be known before creating anything; all problems at once."""
@@ -181,14 +202,9 @@ class DockerBackend(Backend):
     def create(self, run: PreparedRun) -> None:
         """Create the network and every container, started none (like ``docker create``). ``start`` calls it;
         tests call it alone to inspect what a plan becomes."""
-        from launcher import image as image_mod
-        from launcher.image_build import ensure_image
-
         self.run = run
         self._check(run)
-        image = ensure_image(self._image(run.plan), mode=self.build, progress=self.progress,
-                             flavour=image_mod.flavour_for(bool(run.plan.gpu_uuids)), client=self.engine.client,
-                             on_build=self.on_build)
+        image = self.resolve_image(run.plan)
         gpu_runtime = self.engine.has_nvidia_runtime() if self.gpu_runtime is None else self.gpu_runtime
         uid, gid = container_user()
         give_to(run.results_dir, uid, gid)
@@ -265,9 +281,25 @@ class DockerBackend(Backend):
     @classmethod
     def from_config(cls, cfg: RunConfig, *, on_event: Event | None = None) -> "DockerBackend":
         if on_event is None:
-            return cls(image=cfg.image, build=cfg.build)
+            return cls(image=cfg.image, build=cfg.build, with_packages=cfg.with_packages)
         return cls(image=cfg.image, build=cfg.build, progress=lambda line: on_event("event", {"message": line}),
-                   on_build=lambda st: on_event("build", st.to_dict()))
+                   on_build=lambda st: on_event("build", st.to_dict()), with_packages=cfg.with_packages)
+
+    @classmethod
+    def check_env(cls, cfg: RunConfig, plan: Plan, run_id: str, *, on_event: Event | None = None) -> dict[str, Any]:
+        """Make sure of the run's image (built when missing), then make the env in a throw-away container of it
+        with the run's user, ``--env-dir`` mount and labels, and no network."""
+        backend = cls.from_config(cfg, on_event=on_event)
+        try:
+            image = backend.resolve_image(plan)
+            uid, gid = container_user()
+            probe = envcheck.probe_in_image(backend.engine, image, cfg,
+                                            labels(run_id, cfg.results / run_id, "envcheck", uid=uid), f"{uid}:{gid}")
+        finally:
+            backend.engine.close()
+        if not probe.ok:
+            raise envcheck.refusal(cfg, probe, containers=True)
+        return probe.info
 
     @classmethod
     def preflight(cls, plan: Plan) -> None:

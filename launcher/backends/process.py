@@ -27,9 +27,12 @@ from pathlib import Path
 from typing import Any
 
 from launcher import safefs
-from launcher.backends.base import Backend, BackendStatus, DownReport, FoundRun, Part, PartState, PreparedRun
+from launcher.backends import envcheck
+from launcher.backends.base import Backend, BackendStatus, DownReport, Event, FoundRun, Part, PartState, PreparedRun
 from launcher.backends.containers import Kind, worker_env
+from launcher.config import RunConfig
 from launcher.errors import BadInput
+from launcher.gpu.placement import Plan
 from launcher.procs import belongs, identity, launcher_record, send_signal, wait_gone
 from launcher.safefs import distrust
 from launcher.runs import RunDir, list_runs
@@ -186,8 +189,24 @@ class ProcessBackend(Backend):
         self._sock: socket.socket | None = None
 
     def _env(self, run: PreparedRun) -> dict[str, str]:
-        """This launcher's environment without its own ``LAUNCHER_*`` settings (the secret goes in a pipe)."""
-        return {k: v for k, v in os.environ.items() if not k.startswith("LAUNCHER_")}
+        """This launcher's environment without its own ``LAUNCHER_*`` settings (the secret goes in a pipe), with
+        ``--env-dir`` first on ``PYTHONPATH``."""
+        env = {k: v for k, v in os.environ.items() if not k.startswith("LAUNCHER_")}
+        path = envcheck.pythonpath(run.config.env_dir, env.get("PYTHONPATH"))
+        if path:
+            env["PYTHONPATH"] = path
+        return env
+
+    @classmethod
+    def check_env(cls, cfg: RunConfig, plan: Plan, run_id: str, *, on_event: Event | None = None) -> dict[str, Any]:
+        """The groups run this interpreter: ask it, in a subprocess with their PYTHONPATH."""
+        if cfg.with_packages and on_event is not None:
+            on_event("event", {"message": f"--with {' '.join(cfg.with_packages)} is for container images; the "
+                                          f"process backend runs this host's Python ({sys.executable})"})
+        probe = envcheck.probe_on_host(cfg, sys.executable)
+        if not probe.ok:
+            raise envcheck.refusal(cfg, probe, containers=False)
+        return probe.info
 
     def _start_child(self, child: _Child) -> None:
         child.start()

@@ -93,10 +93,23 @@ class SwarmBackend(Backend):
         self._copied = False
         self._stopped = False
 
+    with_packages: tuple[str, ...] = ()  # --with: run on the image derived from the base with these
+    _resolved: str | None = None
+
     def _image(self, plan: Plan) -> str:
         from launcher import image as image_mod
 
-        return self.image or image_mod.default_tag(image_mod.flavour_for(bool(plan.gpu_uuids)))
+        if self._resolved is not None:
+            return self._resolved
+        base = self.image or image_mod.default_tag(image_mod.flavour_for(bool(plan.gpu_uuids)))
+        if not self.with_packages:
+            return base
+        # The derived image is made on this engine (like `launcher build --with`); other nodes need it pushed.
+        from launcher.image_build import build_extras_image
+
+        self._resolved = build_extras_image(base, image_mod.parse_extras(self.with_packages),
+                                            progress=self.progress).tag
+        return self._resolved
 
     def _check(self, run: PreparedRun, swarm: SwarmEngine, nodes: list[NodeInfo], image: str) -> None:
         """Everything that can be known before creating anything; all problems at once, the gravest type."""
@@ -270,8 +283,36 @@ class SwarmBackend(Backend):
     @classmethod
     def from_config(cls, cfg: RunConfig, *, on_event: Event | None = None) -> "SwarmBackend":
         progress = None if on_event is None else (lambda line: on_event("event", {"message": line}))
-        return cls(image=cfg.image, progress=progress, master_placement=cfg.swarm_master,
-                   group_placement=cfg.swarm_groups)
+        backend = cls(image=cfg.image, progress=progress, master_placement=cfg.swarm_master,
+                      group_placement=cfg.swarm_groups)
+        backend.with_packages = tuple(cfg.with_packages)
+        return backend
+
+    @classmethod
+    def check_env(cls, cfg: RunConfig, plan: Plan, run_id: str, *, on_event: Event | None = None) -> dict[str, Any]:
+        """``--env-dir`` is refused (a directory on this host is not on the other nodes); with the image on this
+        engine, the env is made in a throw-away container of it, as for the Docker backend."""
+        from launcher.backends import envcheck
+        from launcher.engine.images import image_exists
+
+        if cfg.env_dir is not None:
+            raise BadInput(f"--env-dir {cfg.env_dir}: the swarm backend cannot mount a directory of this host on "
+                           f"other nodes", hint="make it a package (`pip wheel --no-deps -w dist DIR`) and add it "
+                           "to the image: `launcher up --with dist/<file>.whl`; or use --backend docker")
+        backend = cls.from_config(cfg, on_event=on_event)
+        image = backend._image(plan)
+        engine = Engine()
+        try:
+            if not image_exists(image, engine.client):
+                return {}  # start() says the image is missing, or the nodes pull it
+            uid, gid = container_user()
+            probe = envcheck.probe_in_image(engine, image, cfg, {RUN_LABEL: run_id, "launcher.role": "envcheck"},
+                                            f"{uid}:{gid}")
+        finally:
+            engine.close()
+        if not probe.ok:
+            raise envcheck.refusal(cfg, probe, containers=True)
+        return probe.info
 
     @classmethod
     def find(cls, run_id: str, run_dir: RunDir | None, record: dict[str, Any]) -> SwarmRun:

@@ -48,6 +48,8 @@ def _text(value: Any) -> str:
         return "none"
     if isinstance(value, dict):
         return ", ".join(f"{k}={v}" for k, v in value.items()) or "-"
+    if isinstance(value, (list, tuple)):
+        return " ".join(str(v) for v in value) or "-"
     return str(value)
 
 

@@ -15,6 +15,7 @@ from typing import Any
 
 from launcher import __version__
 from launcher.config import DEFAULTS, OPTIONS, RunConfig, load_config, parse_hparam
+from launcher.config.options import parse_env_arg
 from launcher.errors import BadInput
 from launcher.schemas import RESULT_SCHEMA
 from worker.contract import RESULT_FILE
@@ -36,6 +37,9 @@ def add_up_options(p: argparse.ArgumentParser, *, exclude: tuple[str, ...] = (),
         if opt.kind == "bool":
             p.add_argument(opt.flag, dest=opt.field, action="store_const", const=True, default=None,
                            help=f"{opt.help} [env {opt.env_var}]")
+        elif opt.kind == "list":
+            p.add_argument(opt.flag, dest=opt.field, action="append", default=None, metavar=opt.metavar,
+                           help=f"{opt.help} [env {opt.env_var}, whitespace-separated]".replace("%", "%%"))
         else:
             optional_value: dict[str, Any] = {"nargs": "?", "const": opt.const} if opt.const else {}
             p.add_argument(opt.flag, dest=opt.field, default=None, metavar=opt.metavar,
@@ -44,6 +48,9 @@ def add_up_options(p: argparse.ArgumentParser, *, exclude: tuple[str, ...] = (),
     if only is None:
         p.add_argument("--set", dest="hparams", action="append", default=None, metavar="KEY=VALUE",
                        help="algorithm hyper-parameter, e.g. --set lr=3e-4 (repeatable; file: [up.hparams])")
+        p.add_argument("--env-arg", dest="env_args", action="append", default=None, metavar="KEY=VALUE",
+                       help="keyword argument for gymnasium.make, e.g. --env-arg use_lidar=false; the value is "
+                            "true/false, a number, a quoted or bare string (repeatable; file: [up.env_args])")
     p.add_argument("--config", default=None, metavar="FILE",
                    help="TOML config file [./launcher.toml if present; env LAUNCHER_CONFIG]")
 
@@ -66,6 +73,12 @@ def flags_from_args(args: argparse.Namespace) -> dict[str, Any]:
             flags["hparams"] = dict(parse_hparam(h) for h in args.hparams)
         except ValueError as exc:
             raise BadInput(str(exc), hint="example: --set lr=3e-4 --set n_steps=128") from None
+    if getattr(args, "env_args", None):
+        try:
+            flags["env_args"] = dict(parse_env_arg(a) for a in args.env_args)
+        except ValueError as exc:
+            raise BadInput(str(exc), hint="example: --env-arg use_lidar=false --env-arg difficulty=2 "
+                                          "--env-arg mode='\"hard\"'") from None
     return flags
 
 

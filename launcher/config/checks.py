@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from launcher.errors import BadInput, ConfigErrors
-from launcher.config.options import ALGOS, BACKENDS, MAX_WORKERS, PROGRESS_MODES, RunConfig
+from launcher.config.options import ALGOS, BACKENDS, MAX_WORKERS, PROGRESS_MODES, RunConfig, check_env_args
 from worker.contract import resolve_hparams
 
 if TYPE_CHECKING:
@@ -75,10 +75,10 @@ def validate(cfg: RunConfig) -> list[str]:
         if not valid_reference(cfg.image):
             problems.append(f"--image {cfg.image!r} is not a valid image reference "
                             f"(a lower-case name and an optional tag, e.g. launcher:0.1.0-cpu)")
-    problems.extend(_check_env(cfg.env_id))
+    problems.extend(_check_env(cfg))
     problems.extend(_check_results(cfg.results))
     try:
-        resolve_hparams(cfg.algo if cfg.algo in ALGOS else "ppo", cfg.env_id, cfg.hparams)
+        resolve_hparams(cfg.algo if cfg.algo in ALGOS else "ppo", plain_env_id(cfg.env_id), cfg.hparams)
     except (TypeError, ValueError) as exc:
         problems.append(f"--set: {exc}")
     return problems
@@ -91,16 +91,30 @@ def check(cfg: RunConfig) -> None:
         raise ConfigErrors(problems, hint="nothing was started; fix the values above and run again")
 
 
-def _check_env(env_id: str) -> list[str]:
-    try:
-        from worker.envs import describe_env
+def plain_env_id(env_id: str) -> str:
+    """``module:EnvId`` -> ``EnvId`` (as :func:`worker.envs.plain_id`, without importing gymnasium here)."""
+    return env_id.rpartition(":")[2]
 
-        describe_env(env_id)
-    except ValueError as exc:
-        return [f"--env: {exc}"]
-    except Exception as exc:  # an env that fails to build is a bad choice too, say why
-        return [f"--env {env_id!r} cannot be created: {type(exc).__name__}: {exc}"]
-    return []
+
+def _check_env(cfg: RunConfig) -> list[str]:
+    """The env's name, arguments, directory and extra packages, as far as they can be judged here. Whether
+    the env can be made is asked where the groups will run, after the backend is chosen
+    (:mod:`launcher.envcheck`): the host's Python is the wrong place to ask for a container's env."""
+    problems = []
+    module, sep, plain = cfg.env_id.rpartition(":")
+    if not plain.strip() or (sep and not all(part.isidentifier() for part in module.split("."))):
+        problems.append(f"--env {cfg.env_id!r} is not a gymnasium id or module:EnvId (a dotted module name, one "
+                        f"colon, a registered id, e.g. flappy_bird_gymnasium:FlappyBird-v0)")
+    problems.extend(check_env_args(cfg.env_args))
+    if cfg.env_dir is not None:
+        if not cfg.env_dir.is_dir():
+            problems.append(f"--env-dir {cfg.env_dir} is not a directory")
+        elif not os.access(cfg.env_dir, os.R_OK | os.X_OK):
+            problems.append(f"--env-dir {cfg.env_dir} is not readable by uid {os.getuid()}")
+    for pkg in cfg.with_packages:
+        if pkg.endswith(".whl") and not Path(pkg).expanduser().is_file():
+            problems.append(f"--with {pkg}: no such wheel file")
+    return problems
 
 
 def _check_results(root: Path) -> list[str]:

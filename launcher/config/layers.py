@@ -11,7 +11,7 @@ from typing import Any, Mapping
 
 from launcher.errors import ConfigErrors
 from launcher.config.options import (BY_FIELD, BY_NAME, CONFIG_ENV, CONFIG_FILE_NAME, FIELD_TYPES, OPTIONS, RunConfig,
-                                     _toml, _type_name, coerce)
+                                     _toml, _type_name, check_env_args, coerce)
 
 
 # ------------------------------------------------------------------------------------------ the layers
@@ -51,23 +51,27 @@ def read_config_file(path: Path) -> FileValues:
         return FileValues(path, problems=(f"{where}: not valid TOML: {exc}",))
     problems: list[str] = []
     for key in data:
-        if key != "up":
-            problems.append(f"{where}: unknown table or key {key!r} (the file has one table, [up])")
+        if key not in ("up", "build"):
+            problems.append(f"{where}: unknown table or key {key!r} (the file has two tables, [up] and [build])")
+    build = read_build_table(data, where, problems)
     up = data.get("up", {})
     if not isinstance(up, dict):
         return FileValues(path, problems=(*problems, f"{where}: 'up' must be a table ([up]), got {_type_name(up)}"))
     values: dict[str, Any] = {}
     for key, value in up.items():
-        if key == "hparams":
+        if key in ("hparams", "env_args", "env-args"):
+            name = key.replace("-", "_")
             if not isinstance(value, dict):
-                problems.append(f"{where}: [up] hparams = {_toml(value)}: expected a table ([up.hparams]), "
+                problems.append(f"{where}: [up] {key} = {_toml(value)}: expected a table ([up.{name}]), "
                                 f"got {_type_name(value)}")
             else:
-                values["hparams"] = dict(value)
+                values[name] = dict(value)
+                if name == "env_args":
+                    problems.extend(check_env_args(value, f"{where}: [up.env_args]"))
             continue
         opt = BY_NAME.get(key.replace("_", "-"))
         if opt is None:
-            names = [o.name for o in OPTIONS] + ["hparams"]
+            names = [o.name for o in OPTIONS] + ["hparams", "env_args"]
             close = difflib.get_close_matches(key.replace("_", "-"), names, n=1)
             problems.append(f"{where}: unknown key {key!r} in [up]" + (f" (did you mean {close[0]!r}?)" if close
                                                                        else f"; known keys: {', '.join(names)}"))
@@ -76,7 +80,53 @@ def read_config_file(path: Path) -> FileValues:
             values[opt.field] = coerce(opt, value, strict=True)
         except ValueError as exc:
             problems.append(f"{where}: [up] {key} = {_toml(value)}: {exc}")
+    if "with" in build and "with_packages" not in values:  # `up` runs on the image `launcher build` made
+        values["with_packages"] = build["with"]
     return FileValues(path, values, tuple(problems))
+
+
+BUILD_KEYS = ("with",)
+
+
+def read_build_table(data: Mapping[str, Any], where: str, problems: list[str]) -> dict[str, Any]:
+    """The ``[build]`` table of a parsed config file: ``with = ["pkg", "dist/x.whl"]`` (what ``launcher build
+    --with`` adds; ``launcher up`` runs on that image unless ``[up] with`` says otherwise). Problems are
+    appended to ``problems``."""
+    build = data.get("build", {})
+    if not isinstance(build, dict):
+        problems.append(f"{where}: 'build' must be a table ([build]), got {_type_name(build)}")
+        return {}
+    out: dict[str, Any] = {}
+    for key, value in build.items():
+        if key not in BUILD_KEYS:
+            problems.append(f"{where}: unknown key {key!r} in [build]; known keys: {', '.join(BUILD_KEYS)}")
+            continue
+        try:
+            out[key] = coerce(BY_NAME["with"], value, strict=True)
+        except ValueError as exc:
+            problems.append(f"{where}: [build] {key} = {_toml(value)}: {exc}")
+    return out
+
+
+def build_with_from_file(explicit: str | Path | None, *, environ: Mapping[str, str] | None = None,
+                         cwd: Path | None = None) -> tuple[tuple[str, ...], Path | None]:
+    """``launcher build``'s packages from the config file (``[build] with``), and the file read.
+
+    Raises:
+        ConfigErrors: the file cannot be read or its ``[build]`` table is wrong.
+    """
+    path, _ = find_config_file(explicit, environ=environ, cwd=cwd)
+    if path is None:
+        return (), None
+    problems: list[str] = []
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigErrors([f"{path}: cannot read the config file: {exc}"]) from None
+    build = read_build_table(data, str(path), problems)
+    if problems:
+        raise ConfigErrors(problems, hint="[build] takes: with = [\"package\", \"path/to/file.whl\"]")
+    return tuple(build.get("with", ())), path
 
 
 def load_config(flags: Mapping[str, Any], *, config_path: str | Path | None = None,
@@ -115,10 +165,14 @@ def resolve_config(flags: Mapping[str, Any], *, file_values: Mapping[str, Any] |
     origin: dict[str, str] = {name: "default" for name in FIELD_TYPES}
     problems: list[str] = list(extra_problems)
     hparams: dict[str, Any] = {}
+    env_args: dict[str, Any] = {}
     for name, value in (file_values or {}).items():
         if name == "hparams":
             hparams.update(value or {})
             origin["hparams"] = f"file {file_label}"
+        elif name == "env_args":
+            env_args.update(value or {})
+            origin["env_args"] = f"file {file_label}"
         elif name in BY_FIELD:
             try:
                 values[name] = coerce(BY_FIELD[name], value)
@@ -141,9 +195,10 @@ def resolve_config(flags: Mapping[str, Any], *, file_values: Mapping[str, Any] |
     for name, value in flags.items():
         if value is None:
             continue
-        if name == "hparams":
-            hparams.update(value)
-            origin["hparams"] = "flag --set" if origin["hparams"] == "default" else f"{origin['hparams']} + flag --set"
+        if name in ("hparams", "env_args"):
+            flag = "--set" if name == "hparams" else "--env-arg"
+            (hparams if name == "hparams" else env_args).update(value)
+            origin[name] = f"flag {flag}" if origin[name] == "default" else f"{origin[name]} + flag {flag}"
             continue
         flag_opt = BY_FIELD.get(name)
         if flag_opt is None:
@@ -160,6 +215,8 @@ def resolve_config(flags: Mapping[str, Any], *, file_values: Mapping[str, Any] |
             problems.append(f"flag {flag_opt.flag} {value!r}: {exc}")
     if hparams:
         values["hparams"] = hparams
+    if env_args:
+        values["env_args"] = env_args
     if problems:
         raise ConfigErrors(problems, hint="fix the values above; `launcher up --help` lists every option and "
                                           "docs/operator.md the config file")
@@ -175,6 +232,8 @@ def show_rows(cfg: RunConfig, origin: Mapping[str, str]) -> list[dict[str, Any]]
                      "source": origin.get(opt.field, "default"), "env": opt.env_var, "flag": opt.flag})
     rows.append({"key": "hparams", "value": dict(cfg.hparams), "source": origin.get("hparams", "default"),
                  "env": None, "flag": "--set"})
+    rows.append({"key": "env_args", "value": dict(cfg.env_args), "source": origin.get("env_args", "default"),
+                 "env": None, "flag": "--env-arg"})
     return rows
 
 

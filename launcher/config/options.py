@@ -47,6 +47,9 @@ class RunConfig:
     checkpoint_every: int | None = None
     restart_budget: int = 3
     hparams: Mapping[str, Any] = field(default_factory=dict)
+    env_args: Mapping[str, Any] = field(default_factory=dict)  # keyword arguments for gymnasium.make (--env-arg)
+    env_dir: Path | None = None  # a user's env source directory: on PYTHONPATH, mounted read-only into containers
+    with_packages: tuple[str, ...] = ()  # docker/swarm: extra packages the run's image must hold (--with)
     image: str | None = None
     swarm_master: str = "auto"  # swarm backend: where the master runs (launcher.backends.swarm.master_placement)
     swarm_groups: str = "spread"  # swarm backend: where worker groups run (launcher.backends.swarm_specs.group_placement)
@@ -71,6 +74,9 @@ class RunConfig:
         d["results"] = str(self.results)
         d["lock_dir"] = None if self.lock_dir is None else str(self.lock_dir)
         d["hparams"] = dict(self.hparams)
+        d["env_args"] = dict(self.env_args)
+        d["env_dir"] = None if self.env_dir is None else str(self.env_dir)
+        d["with_packages"] = list(self.with_packages)
         if self.wait_s is not None and math.isinf(self.wait_s):
             d["wait_s"] = "forever"  # JSON has no infinity; read back by the same option
         return d
@@ -92,7 +98,8 @@ class Option:
     """One ``launcher up`` option: flag ``--<name>``, file key ``<name>``, variable ``LAUNCHER_<NAME>``.
 
     kind: how text and TOML values are read: ``int``, ``float``, ``str``, ``bool``, ``path``,
-    ``duration`` (seconds, or text like ``15m``), ``size`` (``8GiB``) or ``choice``.
+    ``duration`` (seconds, or text like ``15m``), ``size`` (``8GiB``), ``choice`` or ``list`` (of strings: a
+    repeatable flag, a TOML array, whitespace-separated in a ``LAUNCHER_*`` variable).
     nullable: ``"none"`` means "no value" (no limit, no target).
     """
 
@@ -115,7 +122,9 @@ class Option:
 
 
 OPTIONS: tuple[Option, ...] = (
-    Option("env", "env_id", "str", "gymnasium env id, e.g. CartPole-v1, launcher/Snake-v0", metavar="ID"),
+    Option("env", "env_id", "str", "gymnasium env id, e.g. CartPole-v1, launcher/Snake-v0, ALE/Pong-v5, or "
+           "module:EnvId to import the module that registers it first (flappy_bird_gymnasium:FlappyBird-v0)",
+           metavar="ID"),
     Option("algo", "algo", "choice", "algorithm", choices=ALGOS),
     Option("workers", "workers", "int", "number of workers (env instances)", metavar="N"),
     Option("backend", "backend", "choice", "where to run; auto: docker if an engine answers, else process",
@@ -140,6 +149,11 @@ OPTIONS: tuple[Option, ...] = (
     Option("min-free-memory", "min_free_memory", "size", "least free memory per GPU, e.g. 8GiB", metavar="SIZE"),
     Option("max-utilization", "max_utilization", "float", "highest GPU utilization, percent", metavar="PCT"),
     Option("image", "image", "str", "container image (docker/swarm backends)", nullable=True, metavar="IMAGE"),
+    Option("env-dir", "env_dir", "path", "a directory of your own env modules: put on PYTHONPATH of every process "
+           "and mounted read-only into containers", nullable=True, metavar="DIR"),
+    Option("with", "with_packages", "list", "docker/swarm: run on the image with this package added (a pip "
+           "requirement or a wheel file; repeatable; built FROM the base image as by `launcher build --with`; "
+           "file: [up] with = [...] or [build] with = [...])", metavar="PKG"),
     Option("build", "build", "choice", "docker backend: how a missing image is built; auto: online when a registry "
            "answers, else offline (debootstrap base + host-side wheels)", choices=("auto", "online", "offline")),
     Option("swarm-master", "swarm_master", "choice", "swarm backend: the master's node; auto: a node labelled "
@@ -202,6 +216,61 @@ def parse_hparam(text: str) -> tuple[str, Any]:
     return key.strip(), value
 
 
+ENV_ARG_RESERVED = ("render_mode",)  # make_env sets it itself
+
+
+def parse_env_arg(text: str) -> tuple[str, Any]:
+    """Parse ``key=value`` for ``--env-arg``: the value as a TOML scalar (``true``/``false``, an integer, a
+    float, a quoted string) or else as a bare string (``use_lidar=false`` -> ``("use_lidar", False)``,
+    ``mode=hard`` -> ``("mode", "hard")``).
+
+    Raises:
+        ValueError: no ``=``, a key that is not a Python identifier, an empty value, or an array/table.
+    """
+    import tomllib
+
+    key, sep, raw = text.partition("=")
+    key, raw = key.strip(), raw.strip()
+    if not sep or not key:
+        raise ValueError(f"--env-arg takes key=value, got {text!r}")
+    if not key.isidentifier():
+        raise ValueError(f"--env-arg {text!r}: the key {key!r} is not a keyword argument name")
+    if not raw:
+        raise ValueError(f"--env-arg {text!r}: no value after '='")
+    if raw[0] in "[{":
+        raise ValueError(f"--env-arg {text!r}: only scalars (true/false, numbers, strings) are taken, not "
+                         f"arrays or tables; put those in launcher.toml's [up.env_args]")
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        if raw[0] in "\"'":
+            raise ValueError(f"--env-arg {text!r}: the quoted string is not closed") from None
+        value = raw  # a bare word: a string
+    if not isinstance(value, (bool, int, float, str)):  # a TOML date or time: the user meant the text
+        value = raw
+    if raw.lower() in ("true", "false"):
+        value = raw.lower() == "true"
+    return key, value
+
+
+def check_env_args(args: Mapping[str, Any], where: str = "--env-arg") -> list[str]:
+    """Problems with keyword arguments for ``gymnasium.make``: keys must be identifiers, not ones make_env
+    sets itself, and values scalars (bool, int, float, string) or arrays of scalars (config file only)."""
+    problems = []
+    for key, value in args.items():
+        if not isinstance(key, str) or not key.isidentifier():
+            problems.append(f"{where} {key!r}: not a keyword argument name")
+        elif key in ENV_ARG_RESERVED:
+            problems.append(f"{where} {key}: set by the launcher itself; leave it out")
+        items = value if isinstance(value, list) else [value]
+        if any(isinstance(v, float) and not math.isfinite(v) for v in items):
+            problems.append(f"{where} {key}={value}: not a finite number")
+        elif not all(isinstance(v, (bool, int, float, str)) for v in items):
+            problems.append(f"{where} {key}={_toml(value)}: only scalars (true/false, numbers, strings) or an "
+                            f"array of them, got {_type_name(value)}")
+    return problems
+
+
 def _toml(value: Any) -> str:
     """A value as it would be written in TOML (near enough for messages)."""
     import json
@@ -228,11 +297,12 @@ def coerce(opt: Option, value: Any, *, strict: bool = False) -> Any:
               "float": isinstance(value, (int, float)) and not isinstance(value, bool),
               "bool": isinstance(value, bool),
               "duration": isinstance(value, (int, float, str)) and not isinstance(value, bool),
-              "size": isinstance(value, (int, str)) and not isinstance(value, bool)}.get(kind, isinstance(value, str))
+              "size": isinstance(value, (int, str)) and not isinstance(value, bool),
+              "list": isinstance(value, list)}.get(kind, isinstance(value, str))
         if not ok:
             want = {"int": "an integer", "float": "a number", "bool": "true or false",
                     "duration": "a duration such as 90, \"90s\" or \"15m\"",
-                    "size": "a size such as \"8GiB\""}.get(kind, "a string")
+                    "size": "a size such as \"8GiB\"", "list": "an array of strings"}.get(kind, "a string")
             if opt.nullable:
                 want += ' or "none"'
             raise ValueError(f"expected {want}, got {_type_name(value)}")
@@ -255,6 +325,12 @@ def coerce(opt: Option, value: Any, *, strict: bool = False) -> Any:
         raise ValueError("expected true or false")
     if kind == "path":
         return Path(str(value)).expanduser()
+    if kind == "list":
+        if isinstance(value, str):
+            return tuple(value.split())
+        if isinstance(value, (list, tuple)) and all(isinstance(v, str) and v.strip() for v in value):
+            return tuple(v.strip() for v in value)
+        raise ValueError(f"expected a list of strings, got {_toml(value)}")
     if kind == "size":
         try:
             parse_size(value)

@@ -344,6 +344,38 @@ class Engine:
             return False
         return True
 
+    def run_capture(self, image: str, command: list[str], *, user: str, labels: Mapping[str, str],
+                    read_only_binds: Mapping[str, str] | None = None, environment: Mapping[str, str] | None = None,
+                    timeout_s: float = 120.0) -> tuple[int, str, str]:
+        """Run ``command`` in a throw-away container of ``image`` to its end and return (exit status, stdout,
+        stderr), like ``docker run --rm --network none --entrypoint CMD``; hardened like a run's containers (no
+        capabilities, ``no-new-privileges``, read-only root with a ``/tmp`` tmpfs, 2 GiB, 256 pids). The
+        container is removed whatever happens; past ``timeout_s`` it is killed (status 137).
+        """
+        from docker.types import Mount
+
+        mounts = [Mount(target=dst, source=src, type="bind", read_only=True)
+                  for src, dst in (read_only_binds or {}).items()]
+        container = engine_call(f"create a helper container of {image}", lambda: self.client.containers.create(
+            image, entrypoint=command[:1], command=command[1:], user=user, network_disabled=True,
+            labels=dict(labels), environment=dict(environment or {}), cap_drop=["ALL"],
+            security_opt=["no-new-privileges"], read_only=True, tmpfs={"/tmp": "rw,nosuid,nodev,size=256m"},
+            mem_limit=2 * 2**30, memswap_limit=2 * 2**30, pids_limit=256, mounts=mounts),
+            hint=f"is {image} on this engine? `docker image inspect {image}`")
+        try:
+            engine_call(f"start helper container {container.short_id}", container.start)
+            try:
+                status = container.wait(timeout=timeout_s)
+                code = int(status.get("StatusCode", -1))
+            except Exception:  # noqa: BLE001 - a read timeout: it ran too long
+                engine_call(f"kill helper container {container.short_id}", container.kill, gone=None)
+                code = 137
+            out = engine_call("read its output", lambda: container.logs(stdout=True, stderr=False), gone=b"")
+            err = engine_call("read its output", lambda: container.logs(stdout=False, stderr=True), gone=b"")
+        finally:
+            self.remove(container.id)
+        return code, bytes(out).decode(errors="replace"), bytes(err).decode(errors="replace")
+
     # --------------------------------------------------------------------------------------------- logs
     def logs(self, container_id: str, *, tail: int | None = None) -> bytes:
         """Everything the container wrote to stdout/stderr, across its restarts (like ``docker logs``)."""

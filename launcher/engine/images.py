@@ -95,9 +95,11 @@ def context_files(root: Path, patterns: list[str]) -> list[str]:
 
 
 def build_events(client: "DockerClient", context: IO[bytes], *, tag: str, buildargs: Mapping[str, str],
-                 network_none: bool, no_cache: bool) -> Iterator[dict[str, Any]]:
+                 network_none: bool, no_cache: bool, labels: Mapping[str, str] | None = None
+                 ) -> Iterator[dict[str, Any]]:
     """Build an image from a tar ``context`` (like ``docker build -t TAG -``), yielding the engine's events
-    (``{"stream": ...}``, ``{"status": ...}``, ``{"error": ...}``) as they come.
+    (``{"stream": ...}``, ``{"status": ...}``, ``{"error": ...}``) as they come. ``labels`` are set on the image
+    (like ``docker build --label``) without a Dockerfile step.
 
     Closing the iterator (or an exception raised while it waits, e.g. on a signal) drops the connection, and
     the engine then cancels the build. Raises LauncherError when the engine refuses to start it.
@@ -105,7 +107,7 @@ def build_events(client: "DockerClient", context: IO[bytes], *, tag: str, builda
     stream = engine_call(f"build {tag}", lambda: client.api.build(
         fileobj=context, custom_context=True, tag=tag, buildargs=dict(buildargs),
         network_mode="none" if network_none else None, nocache=no_cache, rm=True, forcerm=True, decode=True,
-        timeout=BUILD_READ_TIMEOUT_S))
+        timeout=BUILD_READ_TIMEOUT_S, labels=dict(labels) if labels else None))
     it = iter(stream)
     while (event := engine_call(f"build {tag}", lambda: next(it, None))) is not None:
         yield event

@@ -2,13 +2,22 @@
 
 Importing this package registers our own envs with gymnasium (``launcher/Snake-v0``, see
 :mod:`worker.envs.snake`), so after ``import worker.envs`` a plain ``gymnasium.make`` finds them too.
-:func:`make_env` and :func:`describe_env` do that import for you and turn an unknown id into a
-``ValueError`` that suggests the ids you probably meant.
+:func:`make_env`, :func:`make_vector_env` and :func:`describe_env` do that import for you and turn an
+unknown id into a ``ValueError`` that suggests the ids you probably meant.
+
+Env packages register their ids when they are imported (gymnasium 1.x loads no entry points), so an id
+may name its module in gymnasium's own syntax, ``module:EnvId`` (``flappy_bird_gymnasium:FlappyBird-v0``):
+the module is imported first, in every process that makes the env. Importing it runs the user's code; the
+user chose it. ``ALE/*`` ids import ``ale_py`` by themselves and are preprocessed for Atari
+(:mod:`worker.envs.atari`). Every failure is an :class:`EnvError` (a ``ValueError``) whose ``kind`` says
+which: a module that cannot be imported (``missing_module``, naming the module and what is missing), an
+unknown id (``unknown_id``), or arguments the env refuses (``bad_args``).
 """
 
 from __future__ import annotations
 
 import difflib
+import importlib
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -16,7 +25,8 @@ import gymnasium
 import numpy as np
 from gymnasium import spaces
 
-__all__ = ["SNAKE_ID", "EnvInfo", "describe_env", "make_env", "make_vector_env", "register_envs"]
+__all__ = ["SNAKE_ID", "EnvError", "EnvInfo", "describe_env", "make_env", "make_vector_env", "plain_id",
+           "register_envs", "resolve_env", "split_env_id"]
 
 SNAKE_ID = "launcher/Snake-v0"
 
@@ -31,6 +41,109 @@ def register_envs() -> None:
 
 
 register_envs()
+
+
+class EnvError(ValueError):
+    """An env that cannot be made here. ``kind``: ``missing_module`` (``module`` cannot be imported;
+    ``missing`` is the module Python could not find, ``package`` the pip package that usually provides it),
+    ``unknown_id`` (no such registered id), ``bad_args`` (the env refused its keyword arguments) or ``error``
+    (anything else its constructor raised)."""
+
+    def __init__(self, message: str, *, kind: str, env_id: str, module: str | None = None,
+                 missing: str | None = None, package: str | None = None) -> None:
+        super().__init__(message)
+        self.kind, self.env_id, self.module, self.missing, self.package = kind, env_id, module, missing, package
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "env_id": self.env_id, "module": self.module, "missing": self.missing,
+                "package": self.package, "message": str(self)}
+
+
+def split_env_id(env_id: str) -> tuple[str | None, str]:
+    """``"pkg.mod:Env-v0"`` -> ``("pkg.mod", "Env-v0")``; an id without a module -> ``(None, env_id)``.
+
+    gymnasium's own syntax (``gymnasium.make("module:EnvId")``). Raises :class:`EnvError` (``unknown_id``)
+    when either side is empty or the module is not a dotted Python name.
+    """
+    if ":" not in env_id:
+        return None, env_id
+    module, _, plain = env_id.partition(":")
+    if not plain or ":" in plain or not all(part.isidentifier() for part in module.split(".")):
+        raise EnvError(f"env id {env_id!r} is not 'EnvId' or 'module:EnvId' (a dotted module name, one colon, "
+                       f"then a registered id, e.g. 'flappy_bird_gymnasium:FlappyBird-v0')",
+                       kind="unknown_id", env_id=env_id)
+    return module, plain
+
+
+def plain_id(env_id: str) -> str:
+    """The registered id without its module: ``"flappy_bird_gymnasium:FlappyBird-v0"`` -> ``"FlappyBird-v0"``.
+    Per-env defaults (hyper-parameters) are keyed by it."""
+    return env_id.rpartition(":")[2]
+
+
+# Modules whose pip package has another name, for the "install ..." hint.
+_PACKAGES = {"ale_py": "ale-py", "cv2": "opencv-python-headless"}
+
+
+def _package_for(module: str) -> str:
+    top = module.split(".")[0]
+    return _PACKAGES.get(top, top.replace("_", "-"))
+
+
+def import_env_module(module: str, env_id: str) -> None:
+    """Import ``module`` (it registers its envs with gymnasium on import).
+
+    Raises:
+        EnvError: ``missing_module``, naming the module, what Python could not find and the usual package.
+    """
+    try:
+        importlib.import_module(module)
+    except ImportError as exc:
+        missing = exc.name or module
+        package = _package_for(missing)
+        because = ("it is not installed" if missing == module or module.startswith(missing + ".")
+                   else f"it needs {missing!r}, which is not installed")
+        raise EnvError(f"env {env_id!r}: module {module!r} cannot be imported here ({because}: {exc}); install "
+                       f"the package that provides it (usually {package!r}) or put its source directory on the "
+                       f"Python path", kind="missing_module", env_id=env_id, module=module, missing=missing,
+                       package=package) from exc
+
+
+def resolve_env(env_id: str) -> str:
+    """Import what ``env_id`` needs (its ``module:``, ``ale_py`` for ``ALE/*``) and return the registered
+    id to make. Raises :class:`EnvError` (``missing_module`` or ``unknown_id``)."""
+    module, plain = split_env_id(env_id)
+    if module is not None:
+        import_env_module(module, env_id)
+    if plain.startswith("ALE/") and plain not in gymnasium.registry:
+        import_env_module("ale_py", env_id)
+    _require_registered(plain, env_id)
+    return plain
+
+
+def _bad_args(env_id: str, kwargs: dict[str, Any], exc: TypeError) -> EnvError:
+    return EnvError(f"env {env_id!r} does not take the arguments {sorted(kwargs)} (--env-arg / [up.env_args]): "
+                    f"{exc}", kind="bad_args", env_id=env_id)
+
+
+def _make(env_id: str, render_mode: str | None, kwargs: dict[str, Any]) -> gymnasium.Env[Any, Any]:
+    """One env of ``env_id`` as every caller gets it: resolved, Atari-preprocessed for ``ALE/*`` ids."""
+    from worker.envs import atari
+
+    plain = resolve_env(env_id)
+    try:
+        if atari.is_atari(plain):
+            return atari.make_atari(plain, render_mode=render_mode, **kwargs)
+        return gymnasium.make(plain, render_mode=render_mode, **kwargs)
+    except TypeError as exc:
+        if kwargs and "argument" in str(exc):
+            raise _bad_args(env_id, kwargs, exc) from exc
+        raise
+    except gymnasium.error.DependencyNotInstalled as exc:
+        missing = "cv2" if "opencv" in str(exc).lower() else None
+        raise EnvError(f"env {env_id!r} needs a package that is not installed here: {exc}", kind="missing_module",
+                       env_id=env_id, module=missing, missing=missing,
+                       package=_package_for(missing) if missing else None) from exc
 
 
 @dataclass(frozen=True)
@@ -93,16 +206,17 @@ def make_env(
     a seed; each later episode continues the seeded stream, so the whole run is reproducible.
 
     Args:
-        env_id: a registered gymnasium id, e.g. ``"CartPole-v1"`` or ``"launcher/Snake-v0"``.
+        env_id: a registered gymnasium id, e.g. ``"CartPole-v1"`` or ``"launcher/Snake-v0"``, or
+            ``"module:EnvId"`` (the module is imported first); ``ALE/*`` ids come Atari-preprocessed.
         seed: seed for the env's RNG and its action space.
         render_mode: passed to ``gymnasium.make`` (``"rgb_array"`` for frames); None for no rendering.
         **kwargs: env constructor arguments, passed to ``gymnasium.make`` (e.g. ``size=8`` for Snake).
 
     Raises:
-        ValueError: if ``env_id`` is not registered; the message names close ids.
+        EnvError (a ValueError): if ``env_id`` is not registered (the message names close ids), its module
+            cannot be imported, or the env refuses ``kwargs``.
     """
-    _require_registered(env_id)
-    env = gymnasium.make(env_id, render_mode=render_mode, **kwargs)
+    env = _make(env_id, render_mode, kwargs)
     env.reset(seed=seed)
     env.action_space.seed(seed)
     return env
@@ -119,28 +233,42 @@ def make_vector_env(env_id: str, num_envs: int, **kwargs: Any) -> gymnasium.vect
     ``info["final_obs"]``), the semantics of stepping the envs one by one. Not reset: the caller seeds
     the first ``reset`` (copy ``i`` gets ``seed + i`` with ``SyncVectorEnv``).
 
+    ``ALE/*`` ids are ``num_envs`` preprocessed Atari envs (:mod:`worker.envs.atari`) in a ``SyncVectorEnv``;
+    ale-py's own vector env is not needed.
+
     Raises:
-        ValueError: if ``env_id`` is not registered; the message names close ids.
+        EnvError (a ValueError): as :func:`make_env`.
     """
-    _require_registered(env_id)
-    if gymnasium.spec(env_id).vector_entry_point is not None and not kwargs:
+    from worker.envs import atari
+
+    plain = resolve_env(env_id)
+    same_step = {"autoreset_mode": gymnasium.vector.AutoresetMode.SAME_STEP}
+    if atari.is_atari(plain):
+        _make(env_id, None, kwargs).close()  # its errors as make_env's, before num_envs copies are made
+        return gymnasium.vector.SyncVectorEnv([lambda: atari.make_atari(plain, **kwargs)] * num_envs, **same_step)
+    if gymnasium.spec(plain).vector_entry_point is not None and not kwargs:
         try:
-            return gymnasium.make_vec(env_id, num_envs=num_envs, vectorization_mode="vector_entry_point")
+            return gymnasium.make_vec(plain, num_envs=num_envs, vectorization_mode="vector_entry_point")
         except (ImportError, gymnasium.error.Error):  # e.g. a JAX implementation without JAX installed
             pass
-    return gymnasium.make_vec(env_id, num_envs=num_envs, vectorization_mode="sync",
-                              vector_kwargs={"autoreset_mode": gymnasium.vector.AutoresetMode.SAME_STEP}, **kwargs)
+    try:
+        return gymnasium.make_vec(plain, num_envs=num_envs, vectorization_mode="sync", vector_kwargs=same_step,
+                                  **kwargs)
+    except TypeError as exc:
+        if kwargs and "argument" in str(exc):
+            raise _bad_args(env_id, kwargs, exc) from exc
+        raise
 
 
-def describe_env(env_id: str) -> EnvInfo:
-    """Build ``env_id`` once, read its observation and action spaces, and close it.
+def describe_env(env_id: str, **kwargs: Any) -> EnvInfo:
+    """Build ``env_id`` once (with ``kwargs``, as :func:`make_env` would), read its observation and action
+    spaces, and close it.
 
     Raises:
-        ValueError: if ``env_id`` is not registered, its observations are not a ``Box``, or its actions
-            are neither ``Discrete`` (starting at 0) nor a rank-1 ``Box``.
+        ValueError: if ``env_id`` cannot be made (an :class:`EnvError`), its observations are not a ``Box``,
+            or its actions are neither ``Discrete`` (starting at 0) nor a rank-1 ``Box``.
     """
-    _require_registered(env_id)
-    env = gymnasium.make(env_id)
+    env = _make(env_id, None, kwargs)
     try:
         return describe_spaces(env_id, env.observation_space, env.action_space)
     finally:
@@ -180,10 +308,12 @@ def describe_spaces(
     )
 
 
-def _require_registered(env_id: str) -> None:
-    """Raise a ValueError naming ``env_id`` and the closest registered ids if it is not registered."""
+def _require_registered(env_id: str, given: str | None = None) -> None:
+    """Raise an :class:`EnvError` naming ``env_id`` (as the user ``given`` it) and the closest registered ids
+    if it is not registered."""
     if env_id in gymnasium.registry:
         return
+    given = given or env_id
     # Match case-insensitively ("cartpole-v1" should find "CartPole-v1"), then report the real spelling.
     by_lower = {known.lower(): known for known in gymnasium.registry}
     close = [by_lower[m] for m in difflib.get_close_matches(env_id.lower(), by_lower, n=3, cutoff=0.6)]
@@ -192,4 +322,6 @@ def _require_registered(env_id: str) -> None:
         if close
         else "list the registered ids with gymnasium.pprint_registry()"
     )
-    raise ValueError(f"unknown env id {env_id!r}: it is not registered with gymnasium; {hint}")
+    where = "" if given == env_id else f" (after importing {split_env_id(given)[0]!r})"
+    raise EnvError(f"unknown env id {env_id!r}{where}: it is not registered with gymnasium; {hint}",
+                   kind="unknown_id", env_id=given)

@@ -71,10 +71,11 @@ def test_where_the_file_comes_from(tmp_path: Path) -> None:
 def test_every_option_reads_from_file_env_and_flag_alike(tmp_path: Path) -> None:
     """One declaration per option: the same text gives the same value from each layer."""
     samples = {"int": ("3", 3), "float": ("2.5", 2.5), "str": ("x", "x"), "bool": ("true", True),
-               "duration": ("2m", 120.0), "size": ("2GiB", "2GiB"), "path": ("/r", Path("/r"))}
+               "duration": ("2m", 120.0), "size": ("2GiB", "2GiB"), "path": ("/r", Path("/r")),
+               "list": ("ale-py", ("ale-py",))}
     for opt in OPTIONS:
         text, value = (opt.choices[-1], opt.choices[-1]) if opt.kind == "choice" else samples[opt.kind]
-        toml_value = {"int": 3, "float": 2.5, "bool": True}.get(opt.kind, text)
+        toml_value = {"int": 3, "float": 2.5, "bool": True, "list": [text]}.get(opt.kind, text)
         f = tmp_path / f"{opt.name}.toml"
         f.write_text(f"[up]\n{opt.name} = {json.dumps(toml_value)}\n")
         from_file = load_config({}, config_path=f, environ={})[0]
@@ -87,7 +88,7 @@ def test_every_option_reads_from_file_env_and_flag_alike(tmp_path: Path) -> None
 ERRORS = [
     ("[up]\nwrokers = 4\n", "unknown key 'wrokers' in [up] (did you mean 'workers'?)"),
     ("[up]\ncolour = 4\n", "unknown key 'colour' in [up]; known keys: env, algo, workers"),
-    ("[plan]\nworkers = 4\n", "unknown table or key 'plan' (the file has one table, [up])"),
+    ("[plan]\nworkers = 4\n", "unknown table or key 'plan' (the file has two tables, [up] and [build])"),
     ("up = 3\n", "'up' must be a table ([up]), got integer"),
     ('[up]\nworkers = "eight"\n', '[up] workers = "eight": expected an integer, got string'),
     ("[up]\nworkers = 4.5\n", "[up] workers = 4.5: expected an integer, got float"),
