@@ -7,8 +7,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from launcher.image import BuildOptions, Flavour, choose_build_path, default_tag, find_context
-from launcher.image_build import build_image, push_image
+from launcher.config.layers import build_with_from_file
+from launcher.image import BuildOptions, Flavour, choose_build_path, default_tag, find_context, parse_extras
+from launcher.image_build import build_extras_image, build_image, push_image
 
 
 def register(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
@@ -39,6 +40,13 @@ def register(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") 
     parser.add_argument("--no-cache", action="store_true", help="rebuild every layer")
     parser.add_argument("--context", type=Path, metavar="DIR",
                         help="directory with the Dockerfile (default: this source tree)")
+    parser.add_argument("--with", dest="with_packages", action="append", default=None, metavar="PKG",
+                        help="also build an image FROM the base with PKG added: a pip requirement (ale-py, "
+                        "'flappy-bird-gymnasium==0.4.0') or a wheel file (repeatable; file: [build] with = [...]). "
+                        "Wheels are downloaded on this host; the build has no network. Prints that image's tag "
+                        "(BASE-with-HASH); `launcher up --with PKG` picks the same image")
+    parser.add_argument("--config", default=None, metavar="FILE",
+                        help="TOML config file for [build] with [./launcher.toml if present; env LAUNCHER_CONFIG]")
     parser.set_defaults(func=run, flavour=Flavour.CPU, offline=None)
 
 
@@ -71,7 +79,12 @@ def run(args: argparse.Namespace) -> int:
         path = choose_build_path("auto", options, client)
         _progress(f"building {'offline' if path.offline else 'online'}: {path.why}")
         options = replace(options, offline=path.offline)
+    with_packages = tuple(args.with_packages or ()) or build_with_from_file(args.config)[0]
+    extras = parse_extras(with_packages)  # a wrong --with fails before minutes of base build
     result = build_image(options, _progress)
+    if extras:
+        result = build_extras_image(result.tag, extras, progress=_progress, context=options.context,
+                                    no_cache=options.no_cache)
     reference = push_image(result.tag, args.push, _progress) if args.push else result.tag
     sys.stdout.write(reference + "\n")
     return 0
