@@ -516,6 +516,8 @@ def build_extras_image(base: str, extras: tuple["Extra", ...], *, client: "Docke
         except BuildInterrupted:
             remove_untagged(layers, client)
             raise
+    # The extras stage (wheels inside) is no use once the tagged image exists: that tag is the cache.
+    remove_untagged(layers, client)
     info = inspect_image(tag, client)
     result = BuildResult(tag, str(info["Id"]), int(info.get("Size", 0)), time.monotonic() - t0)
     progress(f"built {tag} ({result.image_id[7:19]}, FROM {base} with {' '.join(e.spec for e in extras)}) "
