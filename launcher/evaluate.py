@@ -10,6 +10,8 @@ Where the weights come from (``--checkpoint``):
 * a path: a checkpoint prefix (``checkpoints/ckpt-190``, relative to the run or absolute) or an ``.npz``.
 
 Acting is greedy: the most probable action (discrete) or the mean (continuous), no exploration noise.
+Observations are normalised as the run's groups normalised them (running statistics saved with the weights
+in ``policy.npz``/``best_policy.npz`` and in every checkpoint; :mod:`worker.normalize`).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import numpy as np
 from launcher.errors import BadInput, MissingDependency
 from launcher.runs import RunDir
 from worker.models import Architecture, NumpyPolicy, check_weights
+from worker.normalize import NormStats, check_stats
 from launcher import safefs
 from launcher.safefs import read_json_at as read_json  # never through a link a container planted (issue 14)
 
@@ -45,6 +48,7 @@ class LoadedPolicy:
     weights: dict[str, np.ndarray]
     checkpoint: str  # final, best, latest, path
     source: str  # the file or checkpoint prefix read
+    norm: NormStats = NormStats()  # the observation statistics the run acted with (none: not normalised)
 
     def policy(self) -> NumpyPolicy:
         p = NumpyPolicy(self.arch)
@@ -70,23 +74,41 @@ def architecture_of(run_dir: RunDir) -> Architecture:
             if key in a and a[key] is not None:
                 a[key] = tuple(a[key])
         return Architecture(**a)
-    from worker.algorithms import hparams
     from worker.envs import make_env
 
     spec = run_spec(run_dir)
     env = make_env(spec["env_id"], seed=0, **(spec.get("env_args") or {}))
     try:
-        hp = hparams.resolve(spec["algo"], spec["env_id"], spec.get("hparams") or {})
-        return Architecture.for_spaces(env.observation_space, env.action_space, hp)
+        return Architecture.for_spaces(env.observation_space, env.action_space, _hparams(spec, env))
     finally:
         env.close()
 
 
-def _npz(path: Path) -> dict[str, np.ndarray]:
+def _hparams(spec: dict[str, Any], env: Any = None) -> dict[str, Any]:
+    """The hyper-parameters the run's master resolved (its env's kind included)."""
+    from worker.algorithms import hparams
+    from worker.envs import make_env
+    from worker.models import env_kind
+
+    made = env is None
+    if made:
+        env = make_env(spec["env_id"], seed=0, **(spec.get("env_args") or {}))
+    try:
+        kind = env_kind(env.observation_space, env.action_space)
+        return hparams.resolve(spec["algo"], spec["env_id"], spec.get("hparams") or {}, kind=kind)
+    finally:
+        if made:
+            env.close()
+
+
+def _npz(path: Path) -> tuple[dict[str, np.ndarray], NormStats]:
+    """The weights (float32) and the normalisation statistics (``norm/*``, float64) in an exported ``.npz``."""
     # model/ is written by the master container: opened without following a link, a regular file only.
     try:
         with safefs.open_read(path.parent.parent, f"{path.parent.name}/{path.name}") as fh, np.load(fh) as data:
-            return {k: np.asarray(data[k], np.float32) for k in data.files}
+            arrays = {k: np.asarray(data[k]) for k in data.files}
+            weights = {k: v.astype(np.float32) for k, v in arrays.items() if not k.startswith("norm/")}
+            return weights, NormStats.from_arrays(arrays)
     except (OSError, ValueError, zipfile.BadZipFile) as exc:
         raise BadInput(f"cannot read the weights in {path}: {exc}",
                        hint="pick another --checkpoint (final, best, latest or a path)") from None
@@ -108,25 +130,29 @@ def load_weights(run_dir: RunDir, checkpoint: str = "final") -> LoadedPolicy:
                     if checkpoint == "final" else
                     "the master keeps it once the mean return of a window exists; try --checkpoint final or latest")
             raise BadInput(f"run {run_dir.run_id} has no {path.relative_to(run_dir.path)}", hint=hint)
-        weights, kind, source = _npz(path), checkpoint, str(path)
+        (weights, norm), kind, source = _npz(path), checkpoint, str(path)
     elif checkpoint == "latest":
-        weights, source = _restore_tf(run_dir, arch, None)
+        weights, norm, source = _restore_tf(run_dir, arch, None)
         kind = "latest"
     else:
         path = _resolve_path(run_dir, Path(checkpoint).expanduser())
         if path.suffix == ".npz":
             if not path.exists():
                 raise BadInput(f"--checkpoint {checkpoint}: no such file {path}")
-            weights, source = _npz(path), str(path)
+            (weights, norm), source = _npz(path), str(path)
         else:
-            weights, source = _restore_tf(run_dir, arch, path)
+            weights, norm, source = _restore_tf(run_dir, arch, path)
         kind = "path"
     try:
         check_weights(arch, weights)
     except ValueError as exc:
         raise BadInput(f"the weights in {source} do not fit run {run_dir.run_id}'s network: {exc}",
                        hint="pick a checkpoint of this run") from None
-    return LoadedPolicy(arch, weights, kind, source)
+    problem = check_stats(norm.arrays(), arch.obs_shape, obs=norm.obs_mean is not None, ret=False)
+    if problem is not None:
+        raise BadInput(f"the normalisation statistics in {source} are unusable: {problem}",
+                       hint="pick another --checkpoint (final, best, latest or a path)")
+    return LoadedPolicy(arch, weights, kind, source, norm)
 
 
 def _resolve_path(run_dir: RunDir, given: Path) -> Path:
@@ -140,8 +166,10 @@ def _resolve_path(run_dir: RunDir, given: Path) -> Path:
     return candidates[0]
 
 
-def _restore_tf(run_dir: RunDir, arch: Architecture, prefix: Path | None) -> tuple[dict[str, np.ndarray], str]:
-    """Restore a TF checkpoint (the newest, or ``prefix``) into a fresh Keras model; return its weights."""
+def _restore_tf(run_dir: RunDir, arch: Architecture, prefix: Path | None
+                ) -> tuple[dict[str, np.ndarray], NormStats, str]:
+    """Restore a TF checkpoint (the newest, or ``prefix``) into a fresh Keras model; return its weights and
+    the normalisation statistics saved with it (for the normalisation the run's hyper-parameters turn on)."""
     ckpt_dir = run_dir.files.checkpoints
     if prefix is None and not (ckpt_dir / "checkpoint").exists():
         raise BadInput(f"run {run_dir.run_id} has no checkpoint in {ckpt_dir}",
@@ -157,10 +185,14 @@ def _restore_tf(run_dir: RunDir, arch: Architecture, prefix: Path | None) -> tup
 
     from worker.checkpoint import Checkpointer
     from worker.models import build_keras_model, get_named_weights
+    from worker.normalize import RunningNorm, normalization
 
     spec = run_spec(run_dir)
     model = build_keras_model(arch, seed=0)
-    ckpt = Checkpointer(ckpt_dir, model, tf.keras.optimizers.Adam(), window=int(spec.get("return_window", 100)))
+    norm_obs, norm_ret = normalization(arch, _hparams(spec))
+    running = RunningNorm(arch.obs_shape if norm_obs else None, norm_ret)
+    ckpt = Checkpointer(ckpt_dir, model, tf.keras.optimizers.Adam(), window=int(spec.get("return_window", 100)),
+                        norm=running)
     if prefix is None:
         restored = ckpt.restore_latest()
         if restored is None:
@@ -172,13 +204,15 @@ def _restore_tf(run_dir: RunDir, arch: Architecture, prefix: Path | None) -> tup
         except (tf.errors.OpError, ValueError, AssertionError) as exc:
             raise BadInput(f"--checkpoint {prefix}: cannot restore it: {exc}") from None
         source = str(prefix)
-    return get_named_weights(model), source
+        ckpt.load_norm()
+    return get_named_weights(model), running.stats(), source
 
 
 # ------------------------------------------------------------------------------------------------ playing
 def play(policy: NumpyPolicy, env: Any, *, seed: int, record: bool = False,
-         max_frames: int = DEFAULT_GIF_MAX_FRAMES) -> tuple[float, int, list[np.ndarray]]:
-    """One greedy episode on ``env`` (reset with ``seed``). Returns (return, length, frames if ``record``)."""
+         max_frames: int = DEFAULT_GIF_MAX_FRAMES, norm: NormStats = NormStats()) -> tuple[float, int, list[np.ndarray]]:
+    """One greedy episode on ``env`` (reset with ``seed``), observations normalised with ``norm``.
+    Returns (return, length, frames if ``record``)."""
     rng = np.random.default_rng(seed)
     obs, _ = env.reset(seed=seed)
     frames: list[np.ndarray] = []
@@ -186,7 +220,7 @@ def play(policy: NumpyPolicy, env: Any, *, seed: int, record: bool = False,
     if record:
         frames.append(np.asarray(env.render()))
     while not done:
-        action, _, _ = policy.act(np.asarray(obs, np.float32)[None], rng, greedy=True)
+        action, _, _ = policy.act(norm.obs(np.asarray(obs, np.float32)[None]), rng, greedy=True)
         obs, reward, terminated, truncated, _ = env.step(policy.env_action(action[0]))
         total += float(reward)
         length += 1
@@ -269,7 +303,7 @@ def evaluate(run_dir: RunDir, *, episodes: int = 10, checkpoint: str = "final", 
     if gif is not None:
         renv = make_render_env(env_id, seed, env_args)
         try:
-            ret, n, frames = play(policy, renv, seed=seed, record=True, max_frames=gif_max_frames)
+            ret, n, frames = play(policy, renv, seed=seed, record=True, max_frames=gif_max_frames, norm=loaded.norm)
             fps = float(renv.metadata.get("render_fps") or 30) * len(frames) / max(n + 1, 1)
         finally:
             renv.close()
@@ -280,7 +314,7 @@ def evaluate(run_dir: RunDir, *, episodes: int = 10, checkpoint: str = "final", 
     env = make_env(env_id, seed=seed, **env_args)
     try:
         for i in range(len(returns), episodes):
-            ret, n, _ = play(policy, env, seed=seed + i)
+            ret, n, _ = play(policy, env, seed=seed + i, norm=loaded.norm)
             returns.append(ret)
             lengths.append(n)
     finally:

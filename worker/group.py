@@ -40,7 +40,8 @@ import numpy as np
 from worker.algorithms import hparams as hparams_mod
 from worker.algorithms.rollout import Collector, Segment
 from worker.envs import make_vector_env
-from worker.models import Architecture, NumpyPolicy, check_weights
+from worker.models import Architecture, NumpyPolicy, check_weights, env_kind
+from worker.normalize import NormStats, check_stats, moments_fields, normalization
 from worker.protocol import Connection, Message, MsgType, PeerClosed, ProtocolError, client_handshake
 from worker.contract import RunSpec
 
@@ -81,13 +82,16 @@ class WorkerGroup:
         self.secret = secret
         self.master_addr = master_addr
         self.reconnect_deadline_s = reconnect_deadline_s
-        self.hp = hparams_mod.resolve(spec.algo, spec.env_id, spec.hparams)
         # Worker w of group g plays copy w of one vector env, seeded seed + 1000 g + w.
         self.envs = make_vector_env(spec.env_id, self.assign.workers, **spec.env_args)
-        self.arch = Architecture.for_spaces(self.envs.single_observation_space, self.envs.single_action_space, self.hp)
+        obs_space, act_space = self.envs.single_observation_space, self.envs.single_action_space
+        self.hp = hparams_mod.resolve(spec.algo, spec.env_id, spec.hparams, kind=env_kind(obs_space, act_space))
+        self.arch = Architecture.for_spaces(obs_space, act_space, self.hp)
         self.policy = NumpyPolicy(self.arch)
+        self.norm_obs, self.norm_ret = normalization(self.arch, self.hp)
         self.collector = Collector(self.envs, self.policy, gamma=float(self.hp["gamma"]),
-                                   lam=float(self.hp["gae_lambda"]), seed=spec.seed + 1000 * index)
+                                   lam=float(self.hp["gae_lambda"]), seed=spec.seed + 1000 * index,
+                                   normalize_obs=self.norm_obs, normalize_reward=self.norm_ret)
         self.sync = bool(self.hp["sync"])
         self.grads: Any = None
         if spec.algo == "a3c":
@@ -167,14 +171,20 @@ class WorkerGroup:
 
     def _take_weights(self, msg: Message) -> None:
         # Shapes and names are checked before the swap; a frame that did not fit the spare arrays is copied.
+        # The normalisation statistics (``norm/*``) travel with the weights and are swapped in with them.
         version = msg.fields.get("version")
         if not isinstance(version, int) or isinstance(version, bool):
             raise ProtocolError("malformed", "WEIGHTS without an integer version")
+        weights = {k: v for k, v in msg.arrays.items() if not k.startswith("norm/")}
         try:
-            check_weights(self.arch, msg.arrays)
+            check_weights(self.arch, weights)
         except ValueError as exc:
             raise ProtocolError("bad_shape", f"the master's weights do not fit this model: {exc}") from None
-        self.policy.swap_in(msg.arrays, version)
+        problem = check_stats(msg.arrays, self.arch.obs_shape, obs=self.norm_obs, ret=self.norm_ret)
+        if problem is not None:
+            raise ProtocolError("bad_norm", f"the master's normalisation statistics: {problem}")
+        self.policy.swap_in(weights, version)
+        self.collector.norm = NormStats.from_arrays(msg.arrays)
 
     # --------------------------------------------------------------------------------------------- play
     def run(self) -> int:
@@ -259,6 +269,11 @@ class WorkerGroup:
         stats: dict[str, np.ndarray] = {"ep_returns": np.asarray(seg.episode_returns, np.float64),
                                         "ep_lengths": np.asarray(seg.episode_lengths, np.int32)}
         fields: dict[str, Any] = {"version": seg.version, "env_steps": seg.steps}
+        for prefix, moments in (("obs", seg.obs_moments), ("ret", seg.ret_moments)):
+            if moments is not None:  # what the master merges into its running statistics
+                f, a = moments_fields(prefix, moments)
+                fields.update(f)
+                stats.update(a)
         if self.grads is None:
             return fields, {**seg.flat(), **stats}
         # On-policy gradient: computed at the weights that acted (``version``); the master counts its

@@ -27,12 +27,13 @@ from worker.contract import LISTEN_FD_ENV, TF_THREADS_ENV, RunFiles, RunSpec
 from worker.envs import make_env
 from worker.inbox import ByteBoundedInbox
 from worker.links import Counters, GroupLink, LinkServer
-from worker.models import Architecture, check_weights, expected_shapes, get_named_weights
+from worker.models import Architecture, check_weights, env_kind, expected_shapes, get_named_weights
+from worker.normalize import RunningNorm, normalization
 from worker.protocol import Message, MsgType, all_finite, encode_parts
 from worker.reporting import Tally, episodes_record, export_model, save_best
 from worker.results import MetricsLog, atomic_write_json, atomic_write_text, plot_learning_curve
 from worker.rounds import PpoRounds, a3c_is_stale, numeric_losses, ppo_batch
-from worker.validate import CLOSING_REASONS, check_message, max_steps_per_message
+from worker.validate import CLOSING_REASONS, check_message, check_norm, max_steps_per_message
 
 log = logging.getLogger("worker.master")
 
@@ -63,10 +64,15 @@ class Master:
         self.spec = spec
         self.secret = secret
         self.files = RunFiles(Path(spec.results_dir))
-        self.hp = hparams_mod.resolve(spec.algo, spec.env_id, spec.hparams)
         env = make_env(spec.env_id, seed=spec.seed, **spec.env_args)
+        self.hp = hparams_mod.resolve(spec.algo, spec.env_id, spec.hparams,
+                                      kind=env_kind(env.observation_space, env.action_space))
         self.arch = Architecture.for_spaces(env.observation_space, env.action_space, self.hp)
         env.close()
+        # Running statistics of what every group saw (observations, discounted returns): merged from each
+        # accepted message, checkpointed, shipped with the weights (worker/normalize.py).
+        self.normalize = normalization(self.arch, self.hp)
+        self.norm = RunningNorm(self.arch.obs_shape if self.normalize[0] else None, self.normalize[1])
         self.shapes = expected_shapes(self.arch)
         self.state = MasterState.STARTING
         self.counters_net = Counters()
@@ -132,7 +138,7 @@ class Master:
 
             self.learner = A3CLearner(self.arch, self.hp, self.spec.seed)
         self.ckpt = Checkpointer(self.files.checkpoints, self.learner.model, self.learner.optimizer,
-                                 window=self.spec.return_window)
+                                 window=self.spec.return_window, norm=self.norm)
         restored = self.ckpt.restore_latest()
         if restored:
             c, recent, path = restored
@@ -216,16 +222,22 @@ class Master:
             pass
 
     def _handle(self, link: GroupLink, msg: Message) -> None:
-        reason = check_message(msg, algo=self.spec.algo, arch=self.arch, max_steps=self._max_steps(link))
+        reason = check_message(msg, algo=self.spec.algo, arch=self.arch, max_steps=self._max_steps(link),
+                               normalize=self.normalize)
         if reason is not None:
             self.counters_net.add(f"rejected.{reason}")
-            log.warning("rejected a %s from group %d: %s", msg.type.name, link.group, reason)
+            detail = check_norm(msg, self.arch, self.normalize) if reason == "bad_norm" else None
+            log.warning("rejected a %s from group %d: %s%s", msg.type.name, link.group, reason,
+                        f" ({detail})" if detail else "")
             if reason in CLOSING_REASONS:
                 link.close()
             else:
                 link.post(self.weights_frame())  # e.g. a NaN: drop it, let the group go on
             return
         self._record_experience(link, msg)
+        # Raw-observation and return statistics are good whatever the policy's age: merged even if the
+        # segment or gradient itself turns out too stale to use.
+        self.norm.add(msg.fields, msg.arrays)
         if msg.type == MsgType.GRADS:
             self._apply_grads(link, msg)
         else:
@@ -290,7 +302,8 @@ class Master:
             if not all_finite(weights):
                 raise FloatingPointError(f"training diverged: non-finite weights after update {self.tally.c.updates}; "
                                          f"lower the learning rate (--set lr=...) and resume from the last checkpoint")
-            frame = encode_parts(MsgType.WEIGHTS, {"version": version}, weights)
+            # The normalisation statistics as of this version travel with it: a group swaps both in at once.
+            frame = encode_parts(MsgType.WEIGHTS, {"version": version}, {**weights, **self.norm.stats().arrays()})
             _ = frame.digest  # hashed once here for every group's MAC, not once per group in its writer thread
             cache = (version, frame)
             self._weights_cache = cache
@@ -319,7 +332,7 @@ class Master:
         best = self.tally.new_best()
         if best is not None and hasattr(self, "learner"):
             c = self.tally.c
-            save_best(self.files, get_named_weights(self.learner.model),
+            save_best(self.files, {**get_named_weights(self.learner.model), **self.norm.stats().arrays()},
                       {"mean_return": best, "episodes_in_window": len(self.tally.recent), "env_steps": c.env_steps,
                        "updates": c.updates, "version": c.version})
         st = self.status()
@@ -341,7 +354,7 @@ class Master:
                 self._checkpoint()
                 arch = {k: (list(v) if isinstance(v, tuple) else v) for k, v in self.arch.__dict__.items()}
                 export_model(self.files, self.learner.model, get_named_weights(self.learner.model), arch, self.spec,
-                             self.tally.c.version)
+                             self.tally.c.version, norm=self.norm.stats())
                 self._report()
         except Exception:
             log.exception("final checkpoint/export failed")

@@ -20,12 +20,21 @@ import numpy as np
 LOG_STD_NAME = "log_std"
 
 
+NATURE_MIN_SIDE = 36  # the smallest side the Nature CNN's three convolutions fit (36 -> 8 -> 3 -> 1)
+MAX_CHANNELS = 16  # a rank-3 observation's channel axis is the one no longer than this (last one first)
+
+
 @dataclass(frozen=True)
 class Architecture:
     """Framework-neutral description of the actor-critic network.
 
-    kind: ``mlp`` (vector observations: separate 2-layer tanh towers for policy and value) or ``cnn``
-    (grid/image observations: conv 4x4 -> conv 3x3 -> dense, shared by the policy and value heads).
+    kind: ``mlp`` (vector observations: separate 2-layer tanh towers for policy and value), ``cnn`` (small
+    grids such as Snake's: conv 4x4 -> conv 3x3 -> dense, stride 1, shared by the policy and value heads)
+    or ``nature`` (Atari-style frames, 36 pixels a side or more: the DQN paper's "Nature CNN", conv 32 8x8
+    stride 4 -> conv 64 4x4 stride 2 -> conv 64 3x3 -> dense 512, shared).
+    channels_first: image observations come as (C, H, W) (gymnasium's ``FrameStackObservation`` over
+    ``AtariPreprocessing`` gives (4, 84, 84)); the network moves the channels last itself.
+    obs_scale: observations are multiplied by this first (1/255 for uint8 images).
     """
 
     kind: str
@@ -38,10 +47,14 @@ class Architecture:
     dense_units: int = 128
     action_low: tuple[float, ...] = ()
     action_high: tuple[float, ...] = ()
+    channels_first: bool = False
+    obs_scale: float = 1.0
+    log_std_init: float = -0.5
 
     @classmethod
     def for_spaces(cls, observation_space: Any, action_space: Any, hparams: Mapping[str, Any] | None = None) -> "Architecture":
-        """Pick the network for a gymnasium env's spaces (rank-3 observations get the CNN)."""
+        """Pick the network for a gymnasium env's spaces: vectors get the MLP, rank-3 observations a CNN
+        (the Nature CNN when both sides are at least 36 pixels, else the small stride-1 one)."""
         import gymnasium.spaces as spaces
 
         hp = dict(hparams or {})
@@ -56,11 +69,49 @@ class Architecture:
             high = tuple(float(x) for x in action_space.high)
         else:
             raise ValueError(f"action space {action_space} is not supported: use Discrete or a 1-D Box")
-        kind = "cnn" if len(obs_shape) == 3 else "mlp"
         if len(obs_shape) not in (1, 3):
             raise ValueError(f"observation shape {obs_shape} is not supported: use a vector or an HxWxC grid")
+        extra: dict[str, Any] = {}
+        kind = "mlp"
+        if len(obs_shape) == 3:
+            channels_first = obs_shape[-1] > MAX_CHANNELS and obs_shape[0] <= MAX_CHANNELS
+            h, w = obs_shape[1:] if channels_first else obs_shape[:2]
+            kind = "nature" if min(h, w) >= NATURE_MIN_SIDE else "cnn"
+            extra["channels_first"] = channels_first
+            if np.dtype(observation_space.dtype) == np.uint8:
+                extra["obs_scale"] = 1.0 / 255.0
+            if kind == "nature":
+                extra["dense_units"] = 512
+        if "log_std_init" in hp:
+            extra["log_std_init"] = float(hp["log_std_init"])
         return cls(kind=kind, obs_shape=obs_shape, continuous=continuous, n_outputs=n_out,
-                   hidden=tuple(hp.get("hidden", (64, 64))), action_low=low, action_high=high)
+                   hidden=tuple(hp.get("hidden", (64, 64))), action_low=low, action_high=high, **extra)
+
+    @property
+    def image_shape(self) -> tuple[int, int, int]:
+        """(H, W, C) of an image observation, whatever its layout on the wire."""
+        if self.channels_first:
+            c, h, w = self.obs_shape
+            return h, w, c
+        h, w, c = self.obs_shape
+        return h, w, c
+
+    def conv_layers(self) -> list[tuple[str, int, int, int]]:
+        """The convolutions of an image kind: (name, kernel side, filters, stride)."""
+        if self.kind == "nature":
+            return [("conv0", 8, 32, 4), ("conv1", 4, 64, 2), ("conv2", 3, 64, 1)]
+        f1, f2 = self.conv_filters
+        return [("conv0", 4, f1, 1), ("conv1", 3, f2, 1)]
+
+
+def env_kind(observation_space: Any, action_space: Any) -> str:
+    """The kind of environment, for the hyper-parameter defaults of :mod:`worker.algorithms.hparams`:
+    ``image`` (rank-3 observations), ``continuous`` (a Box action space) or ``discrete``."""
+    import gymnasium.spaces as spaces
+
+    if len(getattr(observation_space, "shape", None) or ()) == 3:
+        return "image"
+    return "continuous" if isinstance(action_space, spaces.Box) else "discrete"
 
 
 def build_keras_model(arch: Architecture, seed: int = 0) -> Any:
@@ -81,9 +132,14 @@ def build_keras_model(arch: Architecture, seed: int = 0) -> Any:
             y = keras.layers.Dense(units, activation="tanh", kernel_initializer=ortho(np.sqrt(2)), name=f"v_h{i}")(y)
         v = keras.layers.Dense(1, kernel_initializer=ortho(1.0), name="v_out")(y)
     else:
-        f1, f2 = arch.conv_filters
-        x = keras.layers.Conv2D(f1, 4, activation="relu", kernel_initializer=ortho(np.sqrt(2)), name="conv0")(obs)
-        x = keras.layers.Conv2D(f2, 3, activation="relu", kernel_initializer=ortho(np.sqrt(2)), name="conv1")(x)
+        x = obs
+        if arch.channels_first:
+            x = keras.layers.Permute((2, 3, 1), name="channels_last")(x)
+        if arch.obs_scale != 1.0:
+            x = keras.layers.Rescaling(arch.obs_scale, name="obs_scale")(x)
+        for name, side, filters, stride in arch.conv_layers():
+            x = keras.layers.Conv2D(filters, side, strides=stride, activation="relu",
+                                    kernel_initializer=ortho(np.sqrt(2)), name=name)(x)
         x = keras.layers.Flatten(name="flatten")(x)
         x = keras.layers.Dense(arch.dense_units, activation="relu", kernel_initializer=ortho(np.sqrt(2)), name="dense0")(x)
         pi = keras.layers.Dense(arch.n_outputs, kernel_initializer=ortho(0.01), name="pi_out")(x)
@@ -92,8 +148,30 @@ def build_keras_model(arch: Architecture, seed: int = 0) -> Any:
     model = keras.Model(obs, [pi, v], name=f"actor_critic_{arch.kind}")
     if arch.continuous:
         # A state-independent log standard deviation, trained with the rest.
-        model.log_std = tf.Variable(np.full(arch.n_outputs, -0.5, np.float32), name=LOG_STD_NAME, trainable=True)
+        model.log_std = tf.Variable(np.full(arch.n_outputs, arch.log_std_init, np.float32), name=LOG_STD_NAME,
+                                    trainable=True)
     return model
+
+
+def with_normalization(model: Any, obs_mean: np.ndarray | None, obs_var: np.ndarray | None) -> Any:
+    """``model`` behind the observation normalisation the actors applied (for the exported Keras model):
+    raw observations in, the same outputs as the actors' policy out. Built from stock layers only, so
+    ``keras.models.load_model`` needs no custom objects: ``clip((x - mean) / sqrt(var + eps), -10, 10)`` is
+    ``Rescaling`` (the affine part, shifted by +10), ``ReLU(max_value=20)`` (the clip) and ``Rescaling`` by -10.
+    Without statistics the model is returned as it is."""
+    if obs_mean is None or obs_var is None:
+        return model
+    import keras
+
+    from worker.normalize import CLIP_OBS, EPS
+
+    inv = 1.0 / np.sqrt(np.asarray(obs_var, np.float64) + EPS)
+    offset = CLIP_OBS - np.asarray(obs_mean, np.float64) * inv
+    raw = keras.Input(shape=np.shape(obs_mean), name="raw_obs", dtype="float32")
+    x = keras.layers.Rescaling(inv.astype(np.float32).tolist(), offset.astype(np.float32).tolist(), name="obs_norm")(raw)
+    x = keras.layers.ReLU(max_value=2 * CLIP_OBS, name="obs_clip")(x)
+    x = keras.layers.Rescaling(1.0, -CLIP_OBS, name="obs_unshift")(x)
+    return keras.Model(raw, model(x), name=f"{model.name}_normalized")
 
 
 def trainable_variables(model: Any) -> list[Any]:
@@ -137,11 +215,11 @@ def expected_shapes(arch: Architecture) -> dict[str, tuple[int, ...]]:
             shapes[f"{tower}_out/kernel"] = (fan_in, out)
             shapes[f"{tower}_out/bias"] = (out,)
     else:
-        h, w, c = arch.obs_shape
-        f1, f2 = arch.conv_filters
-        shapes["conv0/kernel"], shapes["conv0/bias"] = (4, 4, c, f1), (f1,)
-        shapes["conv1/kernel"], shapes["conv1/bias"] = (3, 3, f1, f2), (f2,)
-        flat = (h - 3 - 2) * (w - 3 - 2) * f2
+        h, w, c = arch.image_shape
+        for name, side, filters, stride in arch.conv_layers():
+            shapes[f"{name}/kernel"], shapes[f"{name}/bias"] = (side, side, c, filters), (filters,)
+            h, w, c = (h - side) // stride + 1, (w - side) // stride + 1, filters
+        flat = h * w * c
         shapes["dense0/kernel"], shapes["dense0/bias"] = (flat, arch.dense_units), (arch.dense_units,)
         shapes["pi_out/kernel"], shapes["pi_out/bias"] = (arch.dense_units, arch.n_outputs), (arch.n_outputs,)
         shapes["v_out/kernel"], shapes["v_out/bias"] = (arch.dense_units, 1), (1,)
@@ -161,10 +239,20 @@ def check_weights(arch: Architecture, weights: Mapping[str, np.ndarray]) -> None
             raise ValueError(f"weight {name!r} has shape {tuple(weights[name].shape)}, expected {shape}")
 
 
-def _conv_valid(x: np.ndarray, kernel: np.ndarray, bias: np.ndarray) -> np.ndarray:
-    """NHWC 'valid' convolution, stride 1, as one matmul over sliding windows."""
+def _conv_valid(x: np.ndarray, kernel: np.ndarray, bias: np.ndarray, stride: int = 1, *,
+                channels_first: bool = False) -> np.ndarray:
+    """'valid' convolution of NHWC (or NCHW, ``channels_first``) input to NHWC output, as one matmul over
+    the (strided) sliding windows: the windows are a view, and the one copy is the (B*H'*W', kh*kw*C)
+    patch matrix the matmul needs (channels-first input is reordered in that same copy)."""
     kh, kw, c, f = kernel.shape
+    if channels_first:
+        win = np.lib.stride_tricks.sliding_window_view(x, (kh, kw), axis=(2, 3))[:, :, ::stride, ::stride]
+        b, _, ho, wo = win.shape[:4]  # B,C,H',W',kh,kw
+        patches = win.transpose(0, 2, 3, 4, 5, 1).reshape(b * ho * wo, kh * kw * c)
+        return (patches @ kernel.reshape(kh * kw * c, f) + bias).reshape(b, ho, wo, f)
     win = np.lib.stride_tricks.sliding_window_view(x, (kh, kw), axis=(1, 2))  # B,H',W',C,kh,kw
+    if stride != 1:
+        win = win[:, ::stride, ::stride]
     b, ho, wo = win.shape[:3]
     patches = win.transpose(0, 1, 2, 4, 5, 3).reshape(b * ho * wo, kh * kw * c)
     return (patches @ kernel.reshape(kh * kw * c, f) + bias).reshape(b, ho, wo, f)
@@ -221,8 +309,10 @@ class NumpyPolicy:
                 g = np.tanh(g @ w[f"v_h{i}/kernel"] + w[f"v_h{i}/bias"])
             v = g @ w["v_out/kernel"] + w["v_out/bias"]
         else:
-            h = np.maximum(_conv_valid(x, w["conv0/kernel"], w["conv0/bias"]), 0)
-            h = np.maximum(_conv_valid(h, w["conv1/kernel"], w["conv1/bias"]), 0)
+            h = x * np.float32(a.obs_scale) if a.obs_scale != 1.0 else x
+            for i, (name, _, _, stride) in enumerate(a.conv_layers()):
+                h = np.maximum(_conv_valid(h, w[f"{name}/kernel"], w[f"{name}/bias"], stride,
+                                           channels_first=a.channels_first and i == 0), 0)
             h = h.reshape(h.shape[0], -1)
             h = np.maximum(h @ w["dense0/kernel"] + w["dense0/bias"], 0)
             pi = h @ w["pi_out/kernel"] + w["pi_out/bias"]

@@ -20,6 +20,7 @@ import numpy as np
 from worker.checkpoint import Counters as CkptCounters
 from worker.contract import (ARCHITECTURE_FILE, BEST_FILE, BEST_POLICY_FILE, KERAS_MODEL_FILE, POLICY_FILE, RunFiles,
                              RunSpec)
+from worker.normalize import CLIP_OBS, EPS, NormStats
 from worker.results import atomic_write_json
 
 
@@ -223,16 +224,26 @@ def save_best(files: RunFiles, weights: Mapping[str, np.ndarray], info: Mapping[
 
 
 def export_model(files: RunFiles, model: Any, weights: Mapping[str, np.ndarray], arch_doc: Mapping[str, Any],
-                 spec: RunSpec, version: int) -> None:
+                 spec: RunSpec, version: int, *, norm: NormStats | None = None) -> None:
     """Write ``model/``: ``policy.npz`` (numpy, for ``launcher eval``), ``architecture.json``, and the Keras
-    model. Each file appears whole or not at all (written aside, then renamed)."""
+    model. Each file appears whole or not at all (written aside, then renamed).
+
+    With observation normalisation (``norm``), ``policy.npz`` holds its statistics beside the weights
+    (``norm/obs_mean``, ``norm/obs_var``, and the return variance ``norm/ret_var``), ``architecture.json``
+    says how they are applied, and the Keras model takes raw observations (the normalisation is its first
+    layers: :func:`worker.models.with_normalization`), so whoever loads either acts as the groups did."""
+    from worker.models import with_normalization
+
+    norm = norm or NormStats()
     d = files.model_dir
     d.mkdir(parents=True, exist_ok=True)
     tmp = aside(d / POLICY_FILE)
-    np.savez(tmp, **weights)
+    np.savez(tmp, **weights, **norm.arrays())
     os.replace(tmp, d / POLICY_FILE)
+    normalization = {"obs": norm.obs_mean is not None, "clip_obs": CLIP_OBS, "eps": EPS,
+                     "formula": "clip((obs - norm/obs_mean) / sqrt(norm/obs_var + eps), -clip_obs, clip_obs)"}
     atomic_write_json(d / ARCHITECTURE_FILE, {"architecture": dict(arch_doc), "env_id": spec.env_id,
-                                              "algo": spec.algo, "version": version})
+                                              "algo": spec.algo, "version": version, "normalization": normalization})
     tmpk = aside(d / KERAS_MODEL_FILE)
-    model.save(tmpk)
+    with_normalization(model, norm.obs_mean, norm.obs_var).save(tmpk)
     os.replace(tmpk, d / KERAS_MODEL_FILE)

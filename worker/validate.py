@@ -19,6 +19,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from worker.models import Architecture, check_weights
+from worker.normalize import RET_SHAPE, check_moments
 from worker.protocol import Message, MsgType, all_finite
 
 MAX_LOSS_ENTRIES = 32
@@ -26,7 +27,7 @@ MAX_LOSS_ENTRIES = 32
 # A peer that gets these wrong will not get them right next time: its connection is closed.
 # Anything else (a NaN, say) only drops the message and the group goes on with the current weights.
 CLOSING_REASONS = frozenset({"bad_shape", "bad_dtype", "wrong_message_for_algo", "malformed", "bad_action",
-                             "over_limit"})
+                             "over_limit", "bad_norm"})
 
 
 def max_steps_per_message(n_steps: int, workers: int) -> int:
@@ -34,7 +35,8 @@ def max_steps_per_message(n_steps: int, workers: int) -> int:
     return max(1, int(n_steps)) * max(1, int(workers))
 
 
-def check_message(msg: Message, *, algo: str, arch: Architecture, max_steps: int) -> str | None:
+def check_message(msg: Message, *, algo: str, arch: Architecture, max_steps: int,
+                  normalize: tuple[bool, bool] = (False, False)) -> str | None:
     """Return why ``msg`` must be refused, or None when the learner may use it.
 
     Args:
@@ -43,6 +45,8 @@ def check_message(msg: Message, *, algo: str, arch: Architecture, max_steps: int
         arch: the model's architecture; shapes, dtypes and action ranges are checked against it.
         max_steps: :func:`max_steps_per_message` for the sending group; more env steps, rows or
             finished episodes than this is ``over_limit``.
+        normalize: (observations, returns) normalised in this run: the message must then carry the moments
+            of the raw observations / discounted returns it saw (``bad_norm`` otherwise; see :func:`check_norm`).
     """
     expected = MsgType.TRAJ if algo == "ppo" else MsgType.GRADS
     if msg.type != expected:
@@ -63,8 +67,29 @@ def check_message(msg: Message, *, algo: str, arch: Architecture, max_steps: int
         reason = _check_segment(a, arch, max_steps)
     if reason is not None:
         return reason
+    if check_norm(msg, arch, normalize) is not None:
+        return "bad_norm"
     if not all_finite(a):
         return "non_finite"
+    return None
+
+
+def check_norm(msg: Message, arch: Architecture, normalize: tuple[bool, bool]) -> str | None:
+    """Why a message's normalisation moments are unusable (a sentence for the log), or None.
+
+    Each count is at most the message's env steps (the master weighs a group's statistics by it, so a peer
+    must not claim more data than it sent); mean and M2 have the observation's shape (``(1,)`` for
+    returns), float64, and M2 is not negative. A message of a run without normalisation may carry none.
+    """
+    steps = int(msg.fields["env_steps"])
+    obs, ret = normalize
+    for prefix, on, shape in (("obs", obs, arch.obs_shape), ("ret", ret, RET_SHAPE)):
+        if on:
+            problem = check_moments(prefix, msg.fields, msg.arrays, tuple(shape), steps)
+            if problem is not None:
+                return problem
+        elif f"{prefix}_count" in msg.fields or f"{prefix}_mean" in msg.arrays or f"{prefix}_m2" in msg.arrays:
+            return f"{prefix} moments sent, but this run does not normalise them"
     return None
 
 

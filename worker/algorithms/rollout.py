@@ -20,6 +20,7 @@ import numpy as np
 from gymnasium.vector import AutoresetMode, SyncVectorEnv
 
 from worker.models import NumpyPolicy
+from worker.normalize import Moments, NormStats, ReturnTracker
 
 
 @dataclass
@@ -39,6 +40,9 @@ class Segment:
     episode_returns: list[float] = field(default_factory=list)
     episode_lengths: list[int] = field(default_factory=list)
     valid: np.ndarray | None = None  # (T, K) bool, or None when every row is experience
+    # Moments of the raw observations acted on and of the discounted returns (None: that normalisation is off).
+    obs_moments: Moments | None = None
+    ret_moments: Moments | None = None
 
     @property
     def steps(self) -> int:
@@ -96,11 +100,18 @@ class Collector:
     """Steps K envs (one vector env, or a list of envs) with a numpy policy and cuts the stream into
     :class:`Segment` s.
 
+    With ``normalize_obs`` the policy acts on (and the segment holds) observations normalised with
+    :attr:`norm` (set with each weights version), and the segment carries the moments of the raw ones;
+    with ``normalize_reward`` GAE runs on rewards scaled by :attr:`norm`'s return variance and the segment
+    carries the moments of each copy's discounted return (:mod:`worker.normalize`). Episode returns
+    reported stay raw.
+
     Raises:
         ValueError: for a vector env whose autoreset is disabled (nothing would reset finished copies).
     """
 
-    def __init__(self, envs: Any, policy: NumpyPolicy, *, gamma: float, lam: float, seed: int) -> None:
+    def __init__(self, envs: Any, policy: NumpyPolicy, *, gamma: float, lam: float, seed: int,
+                 normalize_obs: bool = False, normalize_reward: bool = False) -> None:
         self.vec = as_vector_env(envs)
         self.mode = autoreset_mode(self.vec)
         if self.mode not in (AutoresetMode.NEXT_STEP, AutoresetMode.SAME_STEP):
@@ -116,6 +127,9 @@ class Collector:
         self.ep_length = np.zeros(self.k, dtype=np.int64)
         self.resetting = np.zeros(self.k, dtype=bool)  # NEXT_STEP: these copies' next step is a reset
         self.total_steps = 0
+        self.normalize_obs = normalize_obs
+        self.returns = ReturnTracker(self.k, gamma) if normalize_reward else None
+        self.norm = NormStats(np.zeros(self.obs.shape[1:]), np.ones(self.obs.shape[1:]), 1.0)
 
     def close(self) -> None:
         self.vec.close()
@@ -132,9 +146,15 @@ class Collector:
         ep_returns: list[float] = []
         ep_lengths: list[int] = []
         truncated_obs: list[tuple[int, int, np.ndarray]] = []
+        norm = self.norm if self.normalize_obs else NormStats()
+        scale = self.norm if self.returns is not None else NormStats()
+        raw_buf = np.empty((n_steps, k, *self.obs.shape[1:]), np.float64) if self.normalize_obs else None
+        ret_seen: list[np.ndarray] = []
         for t in range(n_steps):
-            obs_buf[t] = self.obs
-            actions, logp, values = pol.act(self.obs, self.rng)
+            if raw_buf is not None:
+                raw_buf[t] = self.obs
+            obs_buf[t] = norm.obs(self.obs)
+            actions, logp, values = pol.act(obs_buf[t], self.rng)
             if act_buf is None:
                 act_buf = np.empty((n_steps, *actions.shape), dtype=actions.dtype)
             act_buf[t] = actions
@@ -143,10 +163,13 @@ class Collector:
             o, r, term, trunc, info = self.vec.step(pol.env_actions(actions))
             valid = ~self.resetting if next_step else valid_buf[t]
             ended = (np.asarray(term) | np.asarray(trunc)) & valid
-            rew_buf[t] = np.where(valid, r, 0.0)
+            raw_r = np.where(valid, r, 0.0)
+            rew_buf[t] = scale.reward(raw_r)
             done_buf[t] = ended
             valid_buf[t] = valid
-            self.ep_return += rew_buf[t]
+            if self.returns is not None:
+                ret_seen.append(self.returns.step(raw_r, ended, valid))
+            self.ep_return += raw_r
             self.ep_length += valid
             for i in np.flatnonzero(ended):
                 if trunc[i] and not term[i]:
@@ -162,16 +185,18 @@ class Collector:
             self.obs = np.asarray(o, dtype=np.float32)
         if truncated_obs:
             # A time limit is not a terminal state: bootstrap from the value of the state it cut off.
-            _, boot = pol.forward(np.stack([o for _, _, o in truncated_obs]))
+            _, boot = pol.forward(norm.obs(np.stack([o for _, _, o in truncated_obs])))
             for (step, copy, _), v in zip(truncated_obs, boot):
                 rew_buf[step, copy] += self.gamma * v
         # After an episode's last step (NEXT_STEP) self.obs is that final observation; its done flag stops
         # the bootstrap, and the reset row that follows is masked out of the next segment.
-        _, last_values = pol.forward(self.obs)
+        _, last_values = pol.forward(norm.obs(self.obs))
         adv, ret = gae(rew_buf, val_buf, done_buf, last_values, self.gamma, self.lam)
         all_valid = bool(valid_buf.all())
         self.total_steps += int(valid_buf.sum())
         assert act_buf is not None
+        obs_m = None if raw_buf is None else Moments.of(raw_buf[valid_buf])
+        ret_m = None if self.returns is None else Moments.of(np.concatenate(ret_seen))
         return Segment(obs=obs_buf, actions=act_buf, logp=logp_buf, values=val_buf, advantages=adv,
                        returns=ret, version=pol.version, episode_returns=ep_returns, episode_lengths=ep_lengths,
-                       valid=None if all_valid else valid_buf)
+                       valid=None if all_valid else valid_buf, obs_moments=obs_m, ret_moments=ret_m)

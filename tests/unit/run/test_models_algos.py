@@ -11,6 +11,7 @@ from tests.helpers import only_run, read_json, run_launcher
 from worker.algorithms.rollout import Collector, gae
 from worker.envs import make_env
 from worker.models import Architecture, NumpyPolicy, build_keras_model, check_weights, expected_shapes, get_named_weights
+from worker.normalize import NormStats
 
 
 @pytest.mark.parametrize("arch", [
@@ -111,6 +112,7 @@ def test_a3c_gradients_applied_on_the_master_change_the_weights() -> None:
     ("launcher/Snake-v0", "ppo", 4),
     ("launcher/Snake-v0", "a3c", 2),
     ("Pendulum-v1", "ppo", 2),
+    ("Pendulum-v1", "a3c", 2),
 ])
 def test_smoke_every_algorithm_and_env_kind(tmp_path, env_id: str, algo: str, workers: int) -> None:
     proc = run_launcher("up", "--backend", "process", "--workers", str(workers), "--env", env_id, "--algo", algo,
@@ -123,12 +125,16 @@ def test_smoke_every_algorithm_and_env_kind(tmp_path, env_id: str, algo: str, wo
     arch = read_json(run / "model" / "architecture.json")["architecture"]
     assert arch["kind"] == ("cnn" if "Snake" in env_id else "mlp")
     assert arch["continuous"] == (env_id == "Pendulum-v1")
-    # The saved numpy policy acts in the env.
+    # The saved numpy policy acts in the env, on observations normalised with the statistics saved beside it
+    # (continuous control normalises by default; image observations never).
+    saved = dict(np.load(run / "model" / "policy.npz"))
+    norm = NormStats.from_arrays(saved)
+    assert (norm.obs_mean is not None) == (env_id == "Pendulum-v1")
     env = make_env(env_id, seed=0)
     pol = NumpyPolicy(Architecture(**{k: tuple(v) if isinstance(v, list) else v for k, v in arch.items()}))
-    pol.set_weights(dict(np.load(run / "model" / "policy.npz")), 0)
+    pol.set_weights({k: v for k, v in saved.items() if not k.startswith("norm/")}, 0)
     obs, _ = env.reset(seed=0)
-    a, logp, v = pol.act(obs[None].astype(np.float32), np.random.default_rng(0), greedy=True)
+    a, logp, v = pol.act(norm.obs(obs[None]), np.random.default_rng(0), greedy=True)
     env.step(pol.env_action(a[0]))
 
 
