@@ -26,6 +26,7 @@ from tests.helpers import ROOT, child_env, launcher_cmd
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 pytestmark = pytest.mark.docker
+DANGLING_BEFORE: set[str] = set()  # untagged images before the derived build (other builds leave some)
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +41,8 @@ def envpkg_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def extras_image(launcher_image: str, envpkg_wheel: Path, docker_client: Any) -> Iterator[str]:
     """``launcher build --offline --with WHEEL``: the tag it prints; the image is removed afterwards."""
+    global DANGLING_BEFORE
+    DANGLING_BEFORE = set(docker_client.api.images(filters={"dangling": True}, quiet=True))
     done = subprocess.run(launcher_cmd("build", "--offline", "--with", str(envpkg_wheel)), cwd=ROOT, env=child_env(),
                           capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-4000:]
@@ -67,7 +70,7 @@ def test_build_with_a_wheel_makes_a_small_derived_image(extras_image: str, launc
     assert len(attrs["RootFS"]["Layers"]) == len(base_layers) + 1
     assert attrs["Size"] - docker_client.api.inspect_image(launcher_image)["Size"] < 5 * 2**20
     # Nothing of the build is left but the tagged image: the extras stage (with the wheels) is removed.
-    dangling = docker_client.api.images(filters={"dangling": True}, quiet=True)
+    dangling = set(docker_client.api.images(filters={"dangling": True}, quiet=True)) - DANGLING_BEFORE
     assert not [i for i in dangling if "/opt/extras" in json.dumps(docker_client.api.history(i)[:1])]
     # Asked again (same base, same wheel): the same tag, found on the engine, no build.
     done = subprocess.run(launcher_cmd("build", "--offline", "--with", str(envpkg_wheel)), cwd=ROOT, env=child_env(),
