@@ -264,8 +264,9 @@ class Master:
         if stale:
             self.counters_net.add("dropped.stale")
         else:
+            lr = self.learner.set_progress(self._progress())
             norm = self.learner.apply({k[2:]: v for k, v in msg.arrays.items() if k.startswith("g/")})
-            self.tally.losses = {**numeric_losses(msg.fields.get("losses", {})), "grad_norm": norm}
+            self.tally.losses = {**numeric_losses(msg.fields.get("losses", {})), "grad_norm": norm, "lr": lr}
             self._after_update()
         link.post(self.weights_frame())
 
@@ -282,11 +283,16 @@ class Master:
             self.counters_net.add("dropped.stale", stale)
         self.tally.lagged(self.rounds.lags, stale)
         if parts:
-            self.tally.losses = self.learner.update(ppo_batch(parts, continuous=self.arch.continuous))
+            lr = self.learner.set_progress(self._progress())
+            self.tally.losses = {**self.learner.update(ppo_batch(parts, continuous=self.arch.continuous)), "lr": lr}
             self._after_update()
         frame = self.weights_frame()
         for link in links:
             link.post(frame)
+
+    def _progress(self) -> float:
+        """How far the run is toward --max-steps (0 without a limit): the learning-rate schedule's clock."""
+        return self.tally.c.env_steps / self.spec.max_steps if self.spec.max_steps else 0.0
 
     def _after_update(self) -> None:
         self.tally.updated()

@@ -28,6 +28,8 @@ COMMON: dict[str, Any] = {
     "normalize_reward": False,
     # The Gaussian policy's initial log standard deviation (Box actions; state-independent, trained).
     "log_std_init": -0.5,
+    # "constant", or "linear": lr falls linearly to 0 at --max-steps (a run without a step limit keeps it).
+    "lr_schedule": "constant",
 }
 
 DEFAULTS: dict[str, dict[str, Any]] = {
@@ -47,7 +49,8 @@ KIND_DEFAULTS: dict[str, dict[str, dict[str, Any]]] = {
     # cleanrl's ppo_continuous_action): normalised observations and scaled rewards, 10 epochs over larger
     # rounds (256 steps x workers per group) in 8 minibatches. Measured on Pendulum-v1: see ENV_OVERRIDES.
     "continuous": {
-        "ppo": {"normalize_obs": True, "normalize_reward": True, "n_steps": 256, "epochs": 10, "minibatches": 8},
+        "ppo": {"normalize_obs": True, "normalize_reward": True, "n_steps": 256, "epochs": 10, "minibatches": 8,
+                "lr_schedule": "linear"},
         "a3c": {"normalize_obs": True, "normalize_reward": True},
     },
 }
@@ -108,6 +111,8 @@ def resolve(algo: str, env_id: str, overrides: Mapping[str, Any] | None = None, 
     for key in ("sync", "normalize_obs", "normalize_reward"):
         if not isinstance(hp[key], bool):
             problems.append(f"{key} must be true or false, got {hp[key]!r}")
+    if hp["lr_schedule"] not in ("constant", "linear"):
+        problems.append(f"lr_schedule must be constant or linear, got {hp['lr_schedule']!r}")
     if algo == "ppo" and not hp["rho_bar"] > 0:
         problems.append(f"rho_bar must be > 0, got {hp['rho_bar']}")
     if problems:

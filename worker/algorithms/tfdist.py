@@ -39,3 +39,14 @@ class LearnerBase:
         # Its slots made now, eagerly: made inside the first tf.function call instead, they force a second
         # trace of the whole update (measured: the first PPO update took 2.4x as long).
         self.optimizer.build(self.variables)
+
+    def set_progress(self, done: float) -> float:
+        """Follow the learning-rate schedule (``lr_schedule``): ``constant``, or ``linear`` from ``lr`` down to
+        0 as the run's progress ``done`` (env steps / --max-steps, in [0, 1]) goes from 0 to 1, as cleanrl and
+        the SB3 zoo anneal PPO for continuous control (late, smaller steps keep a narrow policy from being
+        thrown off by one noisy round). Returns the rate now in use."""
+        lr = float(self.hp["lr"])
+        if self.hp.get("lr_schedule", "constant") == "linear":
+            lr *= max(0.0, 1.0 - min(max(done, 0.0), 1.0))
+        self.optimizer.learning_rate.assign(lr)
+        return lr

@@ -1,0 +1,92 @@
+"""The Nature CNN for Atari-style frames (issue 15 item 4): chosen for 84x84x4 uint8 observations in either
+channel layout, its shapes, and the actors' numpy forward pass equal to the learner's Keras one."""
+
+from __future__ import annotations
+
+import time
+
+import gymnasium as gym
+import numpy as np
+import pytest
+from gymnasium import spaces
+from gymnasium.wrappers import FrameStackObservation
+
+from worker.models import Architecture, NumpyPolicy, _conv_valid, build_keras_model, expected_shapes, get_named_weights
+
+
+class Frames(gym.Env[np.ndarray, int]):
+    """What ``AtariPreprocessing`` hands on: 84x84 grey uint8 frames (the Atari env itself is another
+    engineer's, in worker/envs/; this stand-in has its spaces)."""
+
+    observation_space = spaces.Box(0, 255, (84, 84), np.uint8)
+    action_space = spaces.Discrete(6)
+
+    def reset(self, *, seed: int | None = None, options: dict | None = None) -> tuple[np.ndarray, dict]:
+        super().reset(seed=seed)
+        return self.observation_space.sample(), {}
+
+    def step(self, action: int) -> tuple[np.ndarray, float, bool, bool, dict]:
+        return self.observation_space.sample(), 0.0, False, False, {}
+
+
+def test_frame_stacks_get_the_nature_cnn_in_either_layout() -> None:
+    stacked = FrameStackObservation(Frames(), 4)
+    assert stacked.observation_space.shape == (4, 84, 84)  # gymnasium stacks channels first
+    first = Architecture.for_spaces(stacked.observation_space, stacked.action_space)
+    assert first.kind == "nature" and first.channels_first and first.image_shape == (84, 84, 4)
+    assert first.obs_scale == pytest.approx(1 / 255) and first.dense_units == 512
+    last = Architecture.for_spaces(spaces.Box(0, 255, (84, 84, 4), np.uint8), spaces.Discrete(6))
+    assert last.kind == "nature" and not last.channels_first
+    # Small grids (Snake) keep the small stride-1 torso, float observations no scaling.
+    snake = Architecture.for_spaces(spaces.Box(0.0, 1.0, (10, 10, 3), np.float32), spaces.Discrete(4))
+    assert snake.kind == "cnn" and not snake.channels_first and snake.obs_scale == 1.0
+
+
+def test_nature_cnn_shapes() -> None:
+    arch = Architecture.for_spaces(spaces.Box(0, 255, (4, 84, 84), np.uint8), spaces.Discrete(6))
+    shapes = expected_shapes(arch)
+    assert shapes["conv0/kernel"] == (8, 8, 4, 32) and shapes["conv1/kernel"] == (4, 4, 32, 64)
+    assert shapes["conv2/kernel"] == (3, 3, 64, 64)
+    assert shapes["dense0/kernel"] == (7 * 7 * 64, 512)  # 84 -> 20 -> 9 -> 7
+    assert shapes["pi_out/kernel"] == (512, 6) and shapes["v_out/kernel"] == (512, 1)
+    model = build_keras_model(arch, seed=0)
+    assert {k: tuple(v.shape) for k, v in get_named_weights(model).items()} == shapes
+    out, value = model(np.zeros((2, 4, 84, 84), np.float32))
+    assert tuple(out.shape) == (2, 6) and tuple(value.shape) == (2,)
+
+
+@pytest.mark.parametrize("shape", [(4, 84, 84), (84, 84, 4)], ids=["channels-first", "channels-last"])
+def test_numpy_forward_equals_keras_on_uint8_frames(shape: tuple[int, ...]) -> None:
+    arch = Architecture.for_spaces(spaces.Box(0, 255, shape, np.uint8), spaces.Discrete(6))
+    model = build_keras_model(arch, seed=1)
+    pol = NumpyPolicy(arch)
+    pol.set_weights(get_named_weights(model), 0)
+    frames = np.random.default_rng(0).integers(0, 256, (8, *shape), dtype=np.uint8).astype(np.float32)
+    out, value = model(frames)
+    out_np, value_np = pol.forward(frames)
+    np.testing.assert_allclose(out_np, out.numpy(), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(value_np, value.numpy(), rtol=1e-4, atol=1e-5)
+    # Fast enough to act with: the three convolutions are one matmul each over strided windows.
+    t0 = time.perf_counter()
+    for _ in range(5):
+        pol.forward(frames)
+    per_batch_ms = (time.perf_counter() - t0) / 5 * 1e3
+    assert per_batch_ms < 250, per_batch_ms  # ~10 ms for 8 frames on one core; generous for a shared CI box
+
+
+@pytest.mark.parametrize("stride", [1, 2, 4])
+def test_strided_convolution_against_a_direct_loop(stride: int) -> None:
+    rng = np.random.default_rng(stride)
+    x = rng.standard_normal((2, 11, 13, 3)).astype(np.float32)
+    k = rng.standard_normal((3, 3, 3, 5)).astype(np.float32)
+    b = rng.standard_normal(5).astype(np.float32)
+    got = _conv_valid(x, k, b, stride)
+    ho, wo = (11 - 3) // stride + 1, (13 - 3) // stride + 1
+    want = np.empty((2, ho, wo, 5), np.float32)
+    for i in range(ho):
+        for j in range(wo):
+            patch = x[:, i * stride:i * stride + 3, j * stride:j * stride + 3, :]
+            want[:, i, j] = np.tensordot(patch, k, axes=([1, 2, 3], [0, 1, 2])) + b
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    first = _conv_valid(np.ascontiguousarray(x.transpose(0, 3, 1, 2)), k, b, stride, channels_first=True)
+    np.testing.assert_allclose(first, want, rtol=1e-5, atol=1e-5)
