@@ -19,7 +19,9 @@ set -euo pipefail
 
 BASE_IMAGE=${BASE_IMAGE:-launcher-base:bookworm}
 SUITE=bookworm
-PACKAGES=python3,python3-venv,ca-certificates
+# libglib2.0-0 (~4 MB with its few dependencies minbase lacks): pygame's mixer, which pygame-based env packages
+# (flappy-bird-gymnasium) touch on import, loads libgthread-2.0 from the system; without it they cannot be made.
+PACKAGES=python3,python3-venv,ca-certificates,libglib2.0-0
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 WORK="$HERE/build"
 

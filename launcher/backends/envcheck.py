@@ -10,6 +10,8 @@ what was wrong, the value seen, where it was asked and what to add:
 * the env's module (or ``ale_py``/``cv2`` for ``ALE/*``) is not there: :class:`~launcher.errors.MissingDependency`
   (exit 6), with ``launcher build --with PKG`` / ``up --with PKG`` for containers, ``pip install`` for the
   process backend, and ``--env-dir`` for a module of one's own;
+* a shared library it loads is not there (a system package, e.g. pygame's mixer needs libglib2.0-0):
+  :class:`~launcher.errors.MissingDependency` (exit 6), naming the library and the Debian package;
 * no such id, arguments the env refuses, or its constructor failing: :class:`~launcher.errors.BadInput`
   (exit 2).
 """
@@ -128,6 +130,14 @@ def refusal(cfg: RunConfig, probe: EnvProbe, *, containers: bool) -> LauncherErr
             hint = (f"install it for this Python: `{probe.python} -m pip install {package}`; "
                     f"a module of your own: `--env-dir DIR` with the directory that holds "
                     f"{err.get('module') or 'it'}")
+        return MissingDependency(head + "; nothing was started", hint=hint)
+    if kind == "missing_library":
+        deb = err.get("package")
+        what = f"the Debian package {deb}" if deb else f"the system package that has {err.get('missing')}"
+        hint = (f"{what} must be in the image (--with adds Python packages only): add it to PACKAGES in "
+                f"docker/build-base.sh and rebuild the base (`docker rmi launcher-base:bookworm`, then `launcher "
+                f"build`), or run on an --image that has it" if containers else
+                f"install {what} on this host (`sudo apt-get install {deb or '...'}`)")
         return MissingDependency(head + "; nothing was started", hint=hint)
     hint = {"unknown_id": "check the id; `python -c 'import gymnasium, MODULE; gymnasium.pprint_registry()'` lists "
                           "what a module registers",

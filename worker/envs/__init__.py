@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -46,6 +47,7 @@ register_envs()
 class EnvError(ValueError):
     """An env that cannot be made here. ``kind``: ``missing_module`` (``module`` cannot be imported;
     ``missing`` is the module Python could not find, ``package`` the pip package that usually provides it),
+    ``missing_library`` (a shared library the env loads is not installed; ``package``: its Debian package),
     ``unknown_id`` (no such registered id), ``bad_args`` (the env refused its keyword arguments) or ``error``
     (anything else its constructor raised)."""
 
@@ -90,6 +92,24 @@ def _package_for(module: str) -> str:
     return _PACKAGES.get(top, top.replace("_", "-"))
 
 
+# Shared libraries env packages load that a minimal image may lack, and the Debian package that has each.
+_SYSTEM_PACKAGES = {"libgthread-2.0": "libglib2.0-0", "libglib-2.0": "libglib2.0-0", "libGL": "libgl1",
+                    "libEGL": "libegl1", "libX11": "libx11-6", "libsndfile": "libsndfile1"}
+_SHARED_LIBRARY = re.compile(r"([\w.+-]+\.so[\w.]*): cannot open shared object file")
+
+
+def missing_library(exc: BaseException) -> EnvError | None:
+    """An :class:`EnvError` (``missing_library``) when ``exc`` says a shared library could not be loaded (a
+    system package, not a Python one: ``pip``/``--with`` cannot add it), else None."""
+    m = _SHARED_LIBRARY.search(str(exc))
+    if m is None:
+        return None
+    lib = m.group(1)
+    package = next((deb for prefix, deb in _SYSTEM_PACKAGES.items() if lib.startswith(prefix + ".")), None)
+    return EnvError(f"a system library is missing here: {lib} ({type(exc).__name__}: {exc})",
+                    kind="missing_library", env_id="", missing=lib, package=package)
+
+
 def import_env_module(module: str, env_id: str) -> None:
     """Import ``module`` (it registers its envs with gymnasium on import).
 
@@ -99,6 +119,9 @@ def import_env_module(module: str, env_id: str) -> None:
     try:
         importlib.import_module(module)
     except ImportError as exc:
+        if (lib := missing_library(exc)) is not None:
+            lib.env_id, lib.module = env_id, module
+            raise lib from exc
         missing = exc.name or module
         package = _package_for(missing)
         because = ("it is not installed" if missing == module or module.startswith(missing + ".")

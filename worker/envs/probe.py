@@ -24,13 +24,16 @@ EXIT_NOT_MADE = 3
 
 def probe(env_id: str, env_args: dict[str, Any]) -> dict[str, Any]:
     """The result document for ``env_id`` made with ``env_args`` (never raises for the env's own errors)."""
-    from worker.envs import EnvError, describe_env
+    from worker.envs import EnvError, describe_env, missing_library
 
     try:
         info = describe_env(env_id, **env_args)
     except EnvError as exc:
         return {"ok": False, "error": exc.to_dict()}
     except Exception as exc:  # noqa: BLE001 - the env's constructor may raise anything; report it
+        if (lib := missing_library(exc)) is not None:  # e.g. pygame's mixer without libglib in the image
+            lib.env_id = env_id
+            return {"ok": False, "error": lib.to_dict()}
         return {"ok": False, "error": {"kind": "error", "env_id": env_id, "module": None, "missing": None,
                                        "package": None, "message": f"{type(exc).__name__}: {exc}"}}
     return {"ok": True, "info": dataclasses.asdict(info)}

@@ -158,3 +158,31 @@ def test_the_env_check_refuses_a_missing_module_before_anything_is_written(tmp_p
                "--max-steps", "2000")
     assert done.returncode == 2 and "does not take the arguments ['colour']" in done.stderr
     assert not root.exists() or not any(root.iterdir())
+
+
+def test_refusals_say_what_to_add_for_containers_and_for_this_host() -> None:
+    from launcher.backends.envcheck import EnvProbe, refusal
+    from launcher.errors import BadInput, ExitCode, MissingDependency
+
+    cfg = RunConfig(env_id="flappy_bird_gymnasium:FlappyBird-v0")
+    missing = EnvProbe("image launcher:0.1.0-cpu as uid:gid 1000:1000, no network",
+                       error={"kind": "missing_module", "module": "flappy_bird_gymnasium", "package": "flappy-bird-gymnasium",
+                              "message": "module 'flappy_bird_gymnasium' cannot be imported here"})
+    err = refusal(cfg, missing, containers=True)
+    assert isinstance(err, MissingDependency) and err.exit_code == ExitCode.MISSING_DEPENDENCY
+    assert "(image launcher:0.1.0-cpu as uid:gid 1000:1000, no network)" in err.message
+    assert "`launcher up --with flappy-bird-gymnasium ...`" in (err.hint or "")
+    assert "launcher build --with flappy-bird-gymnasium" in (err.hint or "") and "--env-dir DIR" in (err.hint or "")
+    host = refusal(cfg, EnvProbe("this host's Python /v/bin/python", error=missing.error, python="/v/bin/python"),
+                   containers=False)
+    assert "`/v/bin/python -m pip install flappy-bird-gymnasium`" in (host.hint or "")
+    atari = refusal(RunConfig(env_id="ALE/Pong-v5"), EnvProbe("image x", error={"kind": "missing_module",
+                    "module": "ale_py", "package": "ale-py", "message": "no ale_py"}), containers=True)
+    assert "--with ale-py --with opencv-python-headless" in (atari.hint or "")
+    lib = refusal(cfg, EnvProbe("image x", error={"kind": "missing_library", "missing": "libgthread-2.0.so.0",
+                                                  "package": "libglib2.0-0", "message": "a system library..."}),
+                  containers=True)
+    assert isinstance(lib, MissingDependency) and "libglib2.0-0" in (lib.hint or "") and "Python packages only" in \
+        (lib.hint or "")
+    typo = refusal(cfg, EnvProbe("image x", error={"kind": "unknown_id", "message": "did you mean"}), containers=True)
+    assert isinstance(typo, BadInput) and typo.exit_code == ExitCode.BAD_INPUT

@@ -102,6 +102,27 @@ def test_arguments_the_env_refuses(on_path: None) -> None:
     assert err.value.kind == "bad_args"
 
 
+def test_a_missing_shared_library_is_named_with_its_system_package(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    # As pygame's mixer fails in an image without libglib2.0-0: on import, or in the constructor.
+    msg = "libgthread-2.0.so.0: cannot open shared object file: No such file or directory"
+    (tmp_path / "needs_glib_env.py").write_text(f"raise ImportError({msg!r})\n")
+    (tmp_path / "glib_ctor_env.py").write_text(
+        "import gymnasium\nclass E(gymnasium.Env):\n    def __init__(self, **kw):\n"
+        f"        raise NotImplementedError('mixer module not available (ImportError: ' + {msg!r} + ')')\n"
+        "if 'GlibCtor-v0' not in gymnasium.registry:\n    gymnasium.register('GlibCtor-v0', entry_point=E)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(EnvError) as err:
+        make_env("needs_glib_env:X-v0", seed=0)
+    assert (err.value.kind, err.value.missing, err.value.package) == ("missing_library", "libgthread-2.0.so.0",
+                                                                      "libglib2.0-0")
+    from worker.envs.probe import probe
+
+    doc = probe("glib_ctor_env:GlibCtor-v0", {})
+    assert not doc["ok"] and doc["error"]["kind"] == "missing_library"
+    assert doc["error"]["package"] == "libglib2.0-0" and doc["error"]["env_id"] == "glib_ctor_env:GlibCtor-v0"
+
+
 def _probe(*args: str, pythonpath: str = "") -> tuple[int, dict]:
     import os
 
