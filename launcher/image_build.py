@@ -499,9 +499,9 @@ def build_extras_image(base: str, extras: tuple["Extra", ...], *, client: "Docke
                     for f in files:
                         tar.add(f, arcname=f"wheels/{f.name}", filter=_normalize)
                     data = ("\n".join(requirements) + "\n").encode()
-                    info = tarfile.TarInfo("requirements.txt")
-                    info.size = len(data)
-                    tar.addfile(_normalize(info), io.BytesIO(data))
+                    member = tarfile.TarInfo("requirements.txt")
+                    member.size = len(data)
+                    tar.addfile(_normalize(member), io.BytesIO(data))
                 fileobj.seek(0)
                 options = BuildOptions(tag=tag, base_image=base, context=root)
                 labels = {EXTRAS_LABEL: digest, EXTRAS_PACKAGES_LABEL: json.dumps([e.key for e in extras]),

@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from launcher.errors import BadInput, ConfigErrors
-from launcher.config.options import ALGOS, BACKENDS, MAX_WORKERS, PROGRESS_MODES, RunConfig, check_env_args
-from worker.contract import resolve_hparams
+from launcher.config.options import BACKENDS, MAX_WORKERS, PROGRESS_MODES, RunConfig, check_env_args
+from worker.contract import ALGOS, resolve_hparams
 
 if TYPE_CHECKING:
     from launcher.gpu.request import GpuRequest
@@ -78,7 +78,7 @@ def validate(cfg: RunConfig) -> list[str]:
     problems.extend(_check_env(cfg))
     problems.extend(_check_results(cfg.results))
     try:
-        resolve_hparams(cfg.algo if cfg.algo in ALGOS else "ppo", plain_env_id(cfg.env_id), cfg.hparams)
+        resolve_hparams(cfg.algo if cfg.algo in ALGOS else "ppo", plain_env_id(cfg.env_id), dict(cfg.hparams))
     except (TypeError, ValueError) as exc:
         problems.append(f"--set: {exc}")
     return problems

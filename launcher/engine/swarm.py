@@ -270,7 +270,7 @@ class SwarmEngine:
         def read() -> None:
             try:
                 engine_call(f"read the logs of service {service}",
-                            lambda: [chunks.append(c) for c in self.client.api.service_logs(service, **kw)], gone=[])
+                            lambda: chunks.extend(self.client.api.service_logs(service, **kw)), gone=None)
             except LauncherError as exc:
                 log.debug("%s", exc)
             except Exception as exc:  # noqa: BLE001 - a broken stream mid-way: keep what came

@@ -268,7 +268,8 @@ def make_vector_env(env_id: str, num_envs: int, **kwargs: Any) -> gymnasium.vect
     same_step = {"autoreset_mode": gymnasium.vector.AutoresetMode.SAME_STEP}
     if atari.is_atari(plain):
         _make(env_id, None, kwargs).close()  # its errors as make_env's, before num_envs copies are made
-        return gymnasium.vector.SyncVectorEnv([lambda: atari.make_atari(plain, **kwargs)] * num_envs, **same_step)
+        return gymnasium.vector.SyncVectorEnv([lambda: atari.make_atari(plain, **kwargs)] * num_envs,
+                                              autoreset_mode=gymnasium.vector.AutoresetMode.SAME_STEP)
     if gymnasium.spec(plain).vector_entry_point is not None and not kwargs:
         try:
             return gymnasium.make_vec(plain, num_envs=num_envs, vectorization_mode="vector_entry_point")

@@ -38,7 +38,7 @@ class ChannelsLast(gymnasium.ObservationWrapper[Any, Any, Any]):
         box = env.observation_space
         assert isinstance(box, spaces.Box) and len(box.shape) == 3
         self.observation_space = spaces.Box(np.moveaxis(box.low, 0, -1), np.moveaxis(box.high, 0, -1),
-                                            dtype=box.dtype)  # type: ignore[arg-type]
+                                            dtype=box.dtype)
 
     def observation(self, observation: Any) -> Any:
         return np.moveaxis(np.asarray(observation), 0, -1)
