@@ -50,6 +50,9 @@ class Architecture:
     channels_first: bool = False
     obs_scale: float = 1.0
     log_std_init: float = -0.5
+    # "uint8" for image frames: they travel and are batched as bytes (a quarter of float32's size), and the
+    # network converts them (scaling by obs_scale) itself.
+    obs_dtype: str = "float32"
 
     @classmethod
     def for_spaces(cls, observation_space: Any, action_space: Any, hparams: Mapping[str, Any] | None = None) -> "Architecture":
@@ -80,6 +83,7 @@ class Architecture:
             extra["channels_first"] = channels_first
             if np.dtype(observation_space.dtype) == np.uint8:
                 extra["obs_scale"] = 1.0 / 255.0
+                extra["obs_dtype"] = "uint8"
             if kind == "nature":
                 extra["dense_units"] = 512
         if "log_std_init" in hp:
@@ -120,7 +124,7 @@ def build_keras_model(arch: Architecture, seed: int = 0) -> Any:
     import tensorflow as tf
 
     keras.utils.set_random_seed(seed)
-    obs = keras.Input(shape=arch.obs_shape, name="obs", dtype="float32")
+    obs = keras.Input(shape=arch.obs_shape, name="obs", dtype=arch.obs_dtype)
     ortho = keras.initializers.Orthogonal
     if arch.kind == "mlp":
         x = obs

@@ -131,9 +131,10 @@ def _check_segment(a: Mapping[str, np.ndarray], arch: Architecture, max_rows: in
         if k not in a or a[k].shape != (size,):
             return "bad_shape"
     # The learner's tf.function takes float32 (a float64 segment makes the update raise and the master
-    # fail) and integer actions for discrete spaces (two int kinds could concatenate to float64).
-    floats = [obs, n, a["advantages"], a["returns"]] + ([act] if arch.continuous else [])
-    if any(x.dtype != np.float32 for x in floats) or \
+    # fail), observations as the architecture says (uint8 image frames) and integer actions for discrete
+    # spaces (two int kinds could concatenate to float64).
+    floats = [n, a["advantages"], a["returns"]] + ([act] if arch.continuous else [])
+    if any(x.dtype != np.float32 for x in floats) or obs.dtype != np.dtype(arch.obs_dtype) or \
             (not arch.continuous and act.dtype not in (np.dtype(np.int32), np.dtype(np.int64))):
         return "bad_dtype"
     if not arch.continuous and (act.dtype.kind not in "iu" or act.min() < 0 or act.max() >= arch.n_outputs):

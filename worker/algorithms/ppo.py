@@ -77,7 +77,7 @@ class PPOLearner(LearnerBase):
             return tf.stack([pg, v_loss, entropy, approx_kl, clipfrac, norm])
 
         act_spec = tf.TensorSpec((None, self.arch.n_outputs), tf.float32) if cont else tf.TensorSpec((None,), tf.int64)
-        signature = [tf.TensorSpec((None, *self.arch.obs_shape), tf.float32), act_spec,
+        signature = [tf.TensorSpec((None, *self.arch.obs_shape), tf.as_dtype(self.arch.obs_dtype)), act_spec,
                      tf.TensorSpec((None,), tf.float32), tf.TensorSpec((None,), tf.float32),
                      tf.TensorSpec((None,), tf.float32), tf.TensorSpec((None, None), tf.int32), tf.TensorSpec((), tf.int32)]
 

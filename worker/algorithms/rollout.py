@@ -122,7 +122,9 @@ class Collector:
         self.rng = np.random.default_rng(seed)
         self.k = self.vec.num_envs
         first, _ = self.vec.reset(seed=seed)
-        self.obs = np.asarray(first, dtype=np.float32)
+        # Image frames stay bytes (the network scales them); everything else is float32.
+        self.obs_dtype = np.dtype(policy.arch.obs_dtype)
+        self.obs = np.asarray(first, dtype=self.obs_dtype)
         self.ep_return = np.zeros(self.k, dtype=np.float64)
         self.ep_length = np.zeros(self.k, dtype=np.int64)
         self.resetting = np.zeros(self.k, dtype=bool)  # NEXT_STEP: these copies' next step is a reset
@@ -136,7 +138,7 @@ class Collector:
 
     def collect(self, n_steps: int) -> Segment:
         k, pol, next_step = self.k, self.policy, self.mode == AutoresetMode.NEXT_STEP
-        obs_buf = np.empty((n_steps, k, *self.obs.shape[1:]), dtype=np.float32)
+        obs_buf = np.empty((n_steps, k, *self.obs.shape[1:]), dtype=self.obs_dtype)
         logp_buf = np.empty((n_steps, k), dtype=np.float32)
         val_buf = np.empty((n_steps, k), dtype=np.float32)
         rew_buf = np.empty((n_steps, k), dtype=np.float32)
@@ -153,7 +155,7 @@ class Collector:
         for t in range(n_steps):
             if raw_buf is not None:
                 raw_buf[t] = self.obs
-            obs_buf[t] = norm.obs(self.obs)
+            obs_buf[t] = norm.obs(self.obs) if self.normalize_obs else self.obs
             actions, logp, values = pol.act(obs_buf[t], self.rng)
             if act_buf is None:
                 act_buf = np.empty((n_steps, *actions.shape), dtype=actions.dtype)
@@ -182,7 +184,7 @@ class Collector:
             self.ep_length[ended] = 0
             if next_step:
                 self.resetting = ended
-            self.obs = np.asarray(o, dtype=np.float32)
+            self.obs = np.asarray(o, dtype=self.obs_dtype)
         if truncated_obs:
             # A time limit is not a terminal state: bootstrap from the value of the state it cut off.
             _, boot = pol.forward(norm.obs(np.stack([o for _, _, o in truncated_obs])))

@@ -90,3 +90,33 @@ def test_strided_convolution_against_a_direct_loop(stride: int) -> None:
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     first = _conv_valid(np.ascontiguousarray(x.transpose(0, 3, 1, 2)), k, b, stride, channels_first=True)
     np.testing.assert_allclose(first, want, rtol=1e-5, atol=1e-5)
+
+
+def test_frames_travel_as_bytes_and_the_learner_takes_them() -> None:
+    """Frames stay uint8 from the env to the learner (a quarter of float32's bytes on the wire); the
+    network converts them itself."""
+    from gymnasium.vector import AutoresetMode, SyncVectorEnv
+
+    from worker.algorithms.ppo import PPOLearner
+    from worker.algorithms.rollout import Collector
+    from worker.protocol import Message, MsgType
+    from worker.validate import check_message
+
+    vec = SyncVectorEnv([lambda: FrameStackObservation(Frames(), 4) for _ in range(2)],
+                        autoreset_mode=AutoresetMode.SAME_STEP)
+    arch = Architecture.for_spaces(vec.single_observation_space, vec.single_action_space)
+    assert arch.obs_dtype == "uint8"
+    hp = {"lr": 1e-4, "clip": 0.2, "vf_coef": 0.5, "ent_coef": 0.01, "max_grad_norm": 0.5, "epochs": 1, "minibatches": 2}
+    learner = PPOLearner(arch, hp, seed=0)
+    pol = NumpyPolicy(arch)
+    pol.set_weights(get_named_weights(learner.model), 0)
+    seg = Collector(vec, pol, gamma=0.99, lam=0.95, seed=0).collect(4)
+    batch = seg.flat()
+    assert batch["obs"].dtype == np.uint8 and batch["obs"].shape == (8, 4, 84, 84)
+    arrays = {**batch, "ep_returns": np.zeros(0), "ep_lengths": np.zeros(0, np.int32)}
+    msg = Message(MsgType.TRAJ, {"version": 0, "env_steps": 8}, arrays)
+    assert check_message(msg, algo="ppo", arch=arch, max_steps=8) is None
+    as_float = Message(MsgType.TRAJ, msg.fields, {**arrays, "obs": batch["obs"].astype(np.float32)})
+    assert check_message(as_float, algo="ppo", arch=arch, max_steps=8) == "bad_dtype"
+    stats = learner.update(batch)
+    assert np.isfinite(list(stats.values())).all()

@@ -77,7 +77,8 @@ def greedy_by_hand(saved: dict[str, np.ndarray], arch: Architecture, seed: int) 
         raw_obs.append(np.asarray(obs, np.float32))
         z = np.clip((obs.astype(np.float64) - mean) / np.sqrt(var + 1e-8), -10.0, 10.0).astype(np.float32)
         action_mean, _ = pol.forward(z[None])
-        obs, reward, terminated, truncated, _ = env.step(np.clip(action_mean[0], -2.0, 2.0))
+        # Clipped to Pendulum's bounds [-2, 2], as float64 (what clipping to the bounds as floats gives).
+        obs, reward, terminated, truncated, _ = env.step(np.clip(action_mean[0].astype(np.float64), -2.0, 2.0))
         total += float(reward)
         done = terminated or truncated
     env.close()
