@@ -226,3 +226,30 @@ def test_the_exported_keras_model_normalises_raw_observations_like_the_actors() 
     np.testing.assert_allclose(mean_keras.numpy(), mean_np, rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(value_keras.numpy(), value_np, rtol=1e-4, atol=1e-5)
     assert with_normalization(model, None, None) is model
+
+
+def test_a_group_swaps_in_statistics_with_the_weights_and_refuses_bad_ones(tmp_path: Path) -> None:
+    """The group half of the exchange, on a real WorkerGroup (its envs built, no master needed)."""
+    from worker.contract import GroupAssignment, RunSpec
+    from worker.group import WorkerGroup
+    from worker.models import expected_shapes
+    from worker.protocol import ProtocolError
+
+    spec = RunSpec(run_id="g", env_id="Pendulum-v1", algo="ppo", seed=0, results_dir=str(tmp_path),
+                   groups=(GroupAssignment(0, 2),))
+    group = WorkerGroup(spec, 0, b"secret", ("127.0.0.1", 9))
+    assert (group.norm_obs, group.norm_ret) == (True, True)
+    weights = {k: np.zeros(s, np.float32) for k, s in expected_shapes(group.arch).items()}
+    good = NormStats(np.array([0.1, 0.2, 0.3]), np.array([1.0, 2.0, 3.0]), 5.0)
+    group._take_weights(Message(MsgType.WEIGHTS, {"version": 4}, {**weights, **good.arrays()}))
+    assert group.policy.version == 4 and group.collector.norm.ret_var == 5.0
+    np.testing.assert_array_equal(group.collector.norm.obs_var, [1.0, 2.0, 3.0])
+    bad = {**good.arrays(), OBS_VAR: np.array([1.0, -2.0, 3.0])}
+    with pytest.raises(ProtocolError) as err:
+        group._take_weights(Message(MsgType.WEIGHTS, {"version": 5}, {**weights, **bad}))
+    assert err.value.reason == "bad_norm" and "negative variance" in err.value.detail
+    assert group.policy.version == 4  # nothing of the refused frame was taken
+    with pytest.raises(ProtocolError, match="norm/ret_var is missing"):
+        group._take_weights(Message(MsgType.WEIGHTS, {"version": 5}, {**weights, OBS_MEAN: good.arrays()[OBS_MEAN],
+                                                                       OBS_VAR: good.arrays()[OBS_VAR]}))
+    group.collector.close()

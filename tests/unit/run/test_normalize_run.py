@@ -98,6 +98,9 @@ def test_eval_acts_as_the_policy_with_its_normalisation(pendulum: Path) -> None:
     assert latest.norm.obs_mean is not None and latest.norm.obs_var is not None and final.norm.obs_var is not None
     np.testing.assert_array_equal(latest.norm.obs_mean, final.norm.obs_mean)
     np.testing.assert_allclose(latest.norm.obs_var, final.norm.obs_var, rtol=1e-12)
+    # The best weights (model/best_policy.npz) carry the statistics of their time too.
+    best = load_weights(run, "best")
+    assert best.norm.obs_mean is not None and best.norm.obs_mean.shape == (3,)
     # A user loading the Keras model gets the same actions from raw observations.
     import keras
 
