@@ -118,6 +118,20 @@ def env_kind(observation_space: Any, action_space: Any) -> str:
     return "continuous" if isinstance(action_space, spaces.Box) else "discrete"
 
 
+def action_centre(arch: Architecture) -> list[float]:
+    """Where a Box policy's mean starts: the middle of each bounded action dimension (0 where a bound is
+    infinite). Sampled actions are clipped to the bounds for the env (their log-probability is the
+    unclipped sample's, as in SB3 and cleanrl), so a mean that started at 0 for bounds such as [0, 1]
+    would have half its actions clipped to one edge before learning began; for symmetric bounds
+    (Pendulum's [-2, 2]) this is 0, as before."""
+    low, high = np.asarray(arch.action_low, np.float64), np.asarray(arch.action_high, np.float64)
+    if low.shape != (arch.n_outputs,) or high.shape != (arch.n_outputs,):
+        return [0.0] * arch.n_outputs
+    bounded = np.isfinite(low) & np.isfinite(high)
+    centre = np.where(bounded, (np.where(bounded, low, 0.0) + np.where(bounded, high, 0.0)) / 2, 0.0)
+    return [float(c) for c in centre]
+
+
 def build_keras_model(arch: Architecture, seed: int = 0) -> Any:
     """Build the Keras model: input obs -> (policy logits or action mean, value). Imports TensorFlow."""
     import keras
@@ -126,11 +140,13 @@ def build_keras_model(arch: Architecture, seed: int = 0) -> Any:
     keras.utils.set_random_seed(seed)
     obs = keras.Input(shape=arch.obs_shape, name="obs", dtype=arch.obs_dtype)
     ortho = keras.initializers.Orthogonal
+    pi_bias = keras.initializers.Constant(action_centre(arch)) if arch.continuous else "zeros"
     if arch.kind == "mlp":
         x = obs
         for i, units in enumerate(arch.hidden):
             x = keras.layers.Dense(units, activation="tanh", kernel_initializer=ortho(np.sqrt(2)), name=f"pi_h{i}")(x)
-        pi = keras.layers.Dense(arch.n_outputs, kernel_initializer=ortho(0.01), name="pi_out")(x)
+        pi = keras.layers.Dense(arch.n_outputs, kernel_initializer=ortho(0.01), bias_initializer=pi_bias,
+                                name="pi_out")(x)
         y = obs
         for i, units in enumerate(arch.hidden):
             y = keras.layers.Dense(units, activation="tanh", kernel_initializer=ortho(np.sqrt(2)), name=f"v_h{i}")(y)
@@ -146,7 +162,8 @@ def build_keras_model(arch: Architecture, seed: int = 0) -> Any:
                                     kernel_initializer=ortho(np.sqrt(2)), name=name)(x)
         x = keras.layers.Flatten(name="flatten")(x)
         x = keras.layers.Dense(arch.dense_units, activation="relu", kernel_initializer=ortho(np.sqrt(2)), name="dense0")(x)
-        pi = keras.layers.Dense(arch.n_outputs, kernel_initializer=ortho(0.01), name="pi_out")(x)
+        pi = keras.layers.Dense(arch.n_outputs, kernel_initializer=ortho(0.01), bias_initializer=pi_bias,
+                                name="pi_out")(x)
         v = keras.layers.Dense(1, kernel_initializer=ortho(1.0), name="v_out")(x)
     v = keras.layers.Reshape((), name="value")(v)
     model = keras.Model(obs, [pi, v], name=f"actor_critic_{arch.kind}")

@@ -152,3 +152,19 @@ def test_policy_swaps_in_received_weights_without_copying() -> None:
     # Arrays that are not the spare set are copied in instead.
     other = {k: np.full(s, 3.0, np.float32) for k, s in expected_shapes(arch).items()}
     assert pol.swap_in(other, 2) is False and all((pol.w[k] == 3.0).all() and pol.w[k] is not other[k] for k in other)
+
+
+def test_a_box_policy_starts_in_the_middle_of_its_bounds() -> None:
+    """Actions are clipped to the bounds for the env: a mean starting at 0 for [0, 1] would pin half the
+    actions to an edge. Symmetric bounds keep 0; an infinite bound keeps 0 for that dimension."""
+    arch = Architecture(kind="mlp", obs_shape=(3,), continuous=True, n_outputs=3,
+                        action_low=(0.0, -2.0, -np.inf), action_high=(1.0, 2.0, np.inf))
+    pol = NumpyPolicy(arch)
+    pol.set_weights(get_named_weights(build_keras_model(arch, seed=0)), 0)
+    actions, _, _ = pol.act(np.zeros((64, 3), np.float32), np.random.default_rng(0), greedy=True)
+    np.testing.assert_allclose(actions, np.tile([0.5, 0.0, 0.0], (64, 1)), atol=1e-6)
+    sampled, _, _ = pol.act(np.random.default_rng(1).standard_normal((4096, 3)).astype(np.float32),
+                            np.random.default_rng(0))
+    env_actions = pol.env_actions(sampled)
+    assert env_actions[:, 0].min() >= 0.0 and env_actions[:, 0].max() <= 1.0
+    assert 0.3 < (env_actions[:, 0] > 0.5).mean() < 0.7  # as many above the middle as below
