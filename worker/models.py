@@ -270,13 +270,15 @@ def _conv_valid(x: np.ndarray, kernel: np.ndarray, bias: np.ndarray, stride: int
         win = np.lib.stride_tricks.sliding_window_view(x, (kh, kw), axis=(2, 3))[:, :, ::stride, ::stride]
         b, _, ho, wo = win.shape[:4]  # B,C,H',W',kh,kw
         patches = win.transpose(0, 2, 3, 4, 5, 1).reshape(b * ho * wo, kh * kw * c)
-        return (patches @ kernel.reshape(kh * kw * c, f) + bias).reshape(b, ho, wo, f)
+        out: np.ndarray = (patches @ kernel.reshape(kh * kw * c, f) + bias).reshape(b, ho, wo, f)
+        return out
     win = np.lib.stride_tricks.sliding_window_view(x, (kh, kw), axis=(1, 2))  # B,H',W',C,kh,kw
     if stride != 1:
         win = win[:, ::stride, ::stride]
     b, ho, wo = win.shape[:3]
     patches = win.transpose(0, 1, 2, 4, 5, 3).reshape(b * ho * wo, kh * kw * c)
-    return (patches @ kernel.reshape(kh * kw * c, f) + bias).reshape(b, ho, wo, f)
+    out: np.ndarray = (patches @ kernel.reshape(kh * kw * c, f) + bias).reshape(b, ho, wo, f)
+    return out
 
 
 class NumpyPolicy:
@@ -365,7 +367,8 @@ class NumpyPolicy:
         """What to pass to a vector env's ``step`` for a batch of sampled actions (Box actions clipped)."""
         if not self.arch.continuous:
             return actions
-        return np.clip(actions, self.arch.action_low, self.arch.action_high)
+        clipped: np.ndarray = np.clip(actions, self.arch.action_low, self.arch.action_high)
+        return clipped
 
     def env_action(self, action: np.ndarray) -> Any:
         """What to pass to ``env.step`` for one sampled action (Box actions are clipped to bounds)."""

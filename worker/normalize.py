@@ -93,14 +93,16 @@ class NormStats:
         if self.obs_mean is None or self.obs_var is None:
             return np.asarray(obs, np.float32)
         z = (np.asarray(obs, np.float64) - self.obs_mean) / np.sqrt(self.obs_var + EPS)
-        return np.clip(z, -CLIP_OBS, CLIP_OBS).astype(np.float32)
+        out: np.ndarray = np.clip(z, -CLIP_OBS, CLIP_OBS).astype(np.float32)
+        return out
 
     def reward(self, reward: np.ndarray) -> np.ndarray:
         """Rewards as the learner sees them: divided by the return's standard deviation, clipped."""
         if self.ret_var is None:
             return np.asarray(reward, np.float32)
-        return np.clip(np.asarray(reward, np.float64) / np.sqrt(self.ret_var + EPS),
-                       -CLIP_REWARD, CLIP_REWARD).astype(np.float32)
+        out: np.ndarray = np.clip(np.asarray(reward, np.float64) / np.sqrt(self.ret_var + EPS),
+                                  -CLIP_REWARD, CLIP_REWARD).astype(np.float32)
+        return out
 
     def arrays(self) -> dict[str, np.ndarray]:
         """The entries that travel with the weights and go into ``policy.npz`` (float64)."""
@@ -160,7 +162,7 @@ class ReturnTracker:
         """Add one step's raw rewards; returns the returns of the copies that took a real step (``valid``),
         as rows of shape :data:`RET_SHAPE`."""
         self.ret = np.where(valid, self.ret * self.gamma + rewards, self.ret)
-        out = self.ret[valid].reshape(-1, *RET_SHAPE)
+        out: np.ndarray = self.ret[valid].reshape(-1, *RET_SHAPE)
         self.ret[ended] = 0.0
         return out
 
