@@ -277,7 +277,7 @@ def _conv_valid(x: np.ndarray, kernel: np.ndarray, bias: np.ndarray, stride: int
         win = win[:, ::stride, ::stride]
     b, ho, wo = win.shape[:3]
     patches = win.transpose(0, 1, 2, 4, 5, 3).reshape(b * ho * wo, kh * kw * c)
-    out: np.ndarray = (patches @ kernel.reshape(kh * kw * c, f) + bias).reshape(b, ho, wo, f)
+    out = (patches @ kernel.reshape(kh * kw * c, f) + bias).reshape(b, ho, wo, f)
     return out
 
 
