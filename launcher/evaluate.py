@@ -38,6 +38,21 @@ log = logging.getLogger(__name__)
 
 DEFAULT_SEED = 1_000_003  # away from the training seeds (seed + 1000 * group + worker)
 DEFAULT_GIF_MAX_FRAMES = 300
+# Envs with no time limit of their own (Flappy Bird) can play for ever under a good policy: an episode is cut
+# here and counted in ``cut_at_max_steps``. 100k steps is ~30 min of Flappy Bird game time.
+DEFAULT_MAX_EPISODE_STEPS = 100_000
+
+
+@dataclass(frozen=True)
+class Episode:
+    """One played episode: its return, length, frames (when recorded), the game's score at the end where
+    the env reports one in ``info["score"]``, and whether it was cut at the step limit."""
+
+    ret: float
+    length: int
+    frames: list[np.ndarray]
+    score: float | None
+    cut: bool
 
 
 @dataclass(frozen=True)
@@ -210,27 +225,49 @@ def _restore_tf(run_dir: RunDir, arch: Architecture, prefix: Path | None
 
 # ------------------------------------------------------------------------------------------------ playing
 def play(policy: NumpyPolicy, env: Any, *, seed: int, record: bool = False,
-         max_frames: int = DEFAULT_GIF_MAX_FRAMES, norm: NormStats = NormStats()) -> tuple[float, int, list[np.ndarray]]:
-    """One greedy episode on ``env`` (reset with ``seed``), observations normalised with ``norm``.
-    Returns (return, length, frames if ``record``)."""
+         max_frames: int = DEFAULT_GIF_MAX_FRAMES, norm: NormStats = NormStats(),
+         max_episode_steps: int = DEFAULT_MAX_EPISODE_STEPS) -> Episode:
+    """One greedy episode on ``env`` (reset with ``seed``), observations normalised with ``norm``, cut at
+    ``max_episode_steps`` (an env without a time limit, Flappy Bird say, can otherwise play forever)."""
     rng = np.random.default_rng(seed)
-    obs, _ = env.reset(seed=seed)
+    obs, info = env.reset(seed=seed)
     frames: list[np.ndarray] = []
-    total, length, done = 0.0, 0, False
+    total, length, done, cut = 0.0, 0, False, False
     if record:
         frames.append(np.asarray(env.render()))
     while not done:
         action, _, _ = policy.act(norm.obs(np.asarray(obs, np.float32)[None]), rng, greedy=True)
-        obs, reward, terminated, truncated, _ = env.step(policy.env_action(action[0]))
+        obs, reward, terminated, truncated, info = env.step(policy.env_action(action[0]))
         total += float(reward)
         length += 1
-        done = bool(terminated or truncated)
+        cut = length >= max_episode_steps and not (terminated or truncated)
+        done = bool(terminated or truncated or cut)
         if record:
             frames.append(np.asarray(env.render()))
     if record and len(frames) > max_frames:
         step = math.ceil(len(frames) / max_frames)
         frames = frames[::step] + ([frames[-1]] if (len(frames) - 1) % step else [])
-    return total, length, frames
+    return Episode(total, length, frames, _score(info), cut)
+
+
+def _import_env_dir(run_dir: RunDir) -> None:
+    """Put the run's ``--env-dir`` (from config.json) first on ``sys.path``, as ``up`` put it on the groups'
+    PYTHONPATH, so a ``module:EnvId`` from the user's own modules can be made here too."""
+    import sys
+
+    cfg = read_json(run_dir.files.config) or {}
+    env_dir = cfg.get("env_dir")
+    if isinstance(env_dir, str) and Path(env_dir).is_dir() and env_dir not in sys.path:
+        sys.path.insert(0, env_dir)
+
+
+def _score(info: Any) -> float | None:
+    """The game's own score at the episode's end where the env reports one (``info["score"]``: Flappy Bird's
+    pipes passed, Snake's fruit), else None."""
+    value = info.get("score") if isinstance(info, dict) else None
+    if isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool):
+        return float(value)
+    return None
 
 
 def make_render_env(env_id: str, seed: int, env_args: dict[str, Any] | None = None) -> Any:
@@ -277,7 +314,8 @@ def write_gif(frames: Sequence[np.ndarray], path: Path, *, fps: float) -> int:
 
 
 def evaluate(run_dir: RunDir, *, episodes: int = 10, checkpoint: str = "final", seed: int = DEFAULT_SEED,
-             gif: Path | None = None, gif_max_frames: int = DEFAULT_GIF_MAX_FRAMES) -> dict[str, Any]:
+             gif: Path | None = None, gif_max_frames: int = DEFAULT_GIF_MAX_FRAMES,
+             max_episode_steps: int = DEFAULT_MAX_EPISODE_STEPS) -> dict[str, Any]:
     """Play ``episodes`` greedy episodes with the run's policy; the ``launcher.eval/v1`` document.
 
     Episode ``i`` is reset with ``seed + i``. With ``gif``, episode 0 is played on a rendering env and its
@@ -295,35 +333,41 @@ def evaluate(run_dir: RunDir, *, episodes: int = 10, checkpoint: str = "final", 
     spec = run_spec(run_dir)
     env_id = str(spec["env_id"])
     env_args = dict(spec.get("env_args") or {})
+    _import_env_dir(run_dir)
     loaded = load_weights(run_dir, checkpoint)
     policy = loaded.policy()
-    returns: list[float] = []
-    lengths: list[int] = []
+    if max_episode_steps < 1:
+        raise BadInput(f"--max-episode-steps must be >= 1, got {max_episode_steps}")
+    played: list[Episode] = []
     gif_doc: dict[str, Any] | None = None
     if gif is not None:
         renv = make_render_env(env_id, seed, env_args)
         try:
-            ret, n, frames = play(policy, renv, seed=seed, record=True, max_frames=gif_max_frames, norm=loaded.norm)
-            fps = float(renv.metadata.get("render_fps") or 30) * len(frames) / max(n + 1, 1)
+            ep = play(policy, renv, seed=seed, record=True, max_frames=gif_max_frames, norm=loaded.norm,
+                      max_episode_steps=max_episode_steps)
+            fps = float(renv.metadata.get("render_fps") or 30) * len(ep.frames) / max(ep.length + 1, 1)
         finally:
             renv.close()
-        returns.append(ret)
-        lengths.append(n)
-        count = write_gif(frames, gif, fps=fps)
+        played.append(ep)
+        count = write_gif(ep.frames, gif, fps=fps)
         gif_doc = {"path": str(gif.resolve()), "frames": count, "episode": 0}
     env = make_env(env_id, seed=seed, **env_args)
     try:
-        for i in range(len(returns), episodes):
-            ret, n, _ = play(policy, env, seed=seed + i, norm=loaded.norm)
-            returns.append(ret)
-            lengths.append(n)
+        for i in range(len(played), episodes):
+            played.append(play(policy, env, seed=seed + i, norm=loaded.norm, max_episode_steps=max_episode_steps))
     finally:
         env.close()
+    returns = [ep.ret for ep in played]
+    scores = [ep.score for ep in played]
+    have_scores = all(sc is not None for sc in scores)
     summary = read_json(run_dir.files.summary) or read_json(run_dir.files.status) or {}
     return {
         "schema": EVAL_SCHEMA, "run_id": run_dir.run_id, "env_id": env_id, "algo": spec.get("algo"),
         "checkpoint": loaded.checkpoint, "weights_from": loaded.source, "episodes": episodes, "seed": seed,
-        "greedy": True, "returns": returns, "lengths": lengths,
+        "greedy": True, "returns": returns, "lengths": [ep.length for ep in played],
+        "scores": scores if have_scores else None,
+        "mean_score": statistics.fmean(sc for sc in scores if sc is not None) if have_scores else None,
+        "cut_at_max_steps": sum(ep.cut for ep in played), "max_episode_steps": max_episode_steps,
         "mean_return": statistics.fmean(returns), "std_return": statistics.pstdev(returns),
         "min_return": min(returns), "max_return": max(returns), "median_return": statistics.median(returns),
         "training_mean_return": summary.get("mean_return"), "gif": gif_doc,
@@ -340,6 +384,10 @@ def format_report(doc: dict[str, Any]) -> str:
              f"  return      mean {doc['mean_return']:.2f} ± {doc['std_return']:.2f} (std), median "
              f"{doc['median_return']:.2f}, min {doc['min_return']:.2f}, max {doc['max_return']:.2f}",
              f"  training    mean return at the end {'-' if train is None else f'{train:.2f}'}",
+             *([f"  score       mean {doc['mean_score']:.2f} (the env's info['score'] at each episode's end), max "
+                f"{max(doc['scores']):g}"] if doc.get("mean_score") is not None else []),
+             *([f"  cut         {doc['cut_at_max_steps']} episodes reached --max-episode-steps "
+                f"{doc['max_episode_steps']} and were cut"] if doc.get("cut_at_max_steps") else []),
              f"  lengths     {', '.join(str(n) for n in doc['lengths'][:20])}"
              + (" ..." if len(doc["lengths"]) > 20 else "")]
     if doc["gif"]:

@@ -26,7 +26,8 @@ RUN_ID_RE = re.compile(r"^[a-z0-9][a-z0-9-]{2,62}$")
 
 def new_run_id(env_id: str, algo: str, now: float | None = None) -> str:
     """``<env>-<algo>-<YYYYmmdd-HHMMSS>-<4 hex>``: sortable by time, unique across users and hosts."""
-    env = re.sub(r"[^a-z0-9]+", "", env_id.split("/")[-1].lower().split("-v")[0])[:16] or "env"
+    # ``pkg.module:EnvId`` is named after EnvId (flappybird-..., not flappybirdgymnas-...)
+    env = re.sub(r"[^a-z0-9]+", "", env_id.rpartition(":")[2].split("/")[-1].lower().split("-v")[0])[:16] or "env"
     stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(now))
     return f"{env}-{algo}-{stamp}-{secrets.token_hex(2)}"
 

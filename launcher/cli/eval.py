@@ -13,7 +13,7 @@ from launcher.schemas import EVAL_SCHEMA
 
 
 def register(sub: Any) -> None:
-    from launcher.evaluate import DEFAULT_GIF_MAX_FRAMES, DEFAULT_SEED
+    from launcher.evaluate import DEFAULT_GIF_MAX_FRAMES, DEFAULT_MAX_EPISODE_STEPS, DEFAULT_SEED
 
     p = sub.add_parser("eval", help="evaluate a trained run's policy (return, GIF)",
                        description="Load a run's policy, play --episodes episodes greedily (no exploration noise), "
@@ -27,6 +27,8 @@ def register(sub: Any) -> None:
     p.add_argument("--gif", type=Path, default=None, metavar="FILE", help="write episode 0 as an animated GIF")
     p.add_argument("--gif-max-frames", type=int, default=DEFAULT_GIF_MAX_FRAMES, metavar="N",
                    help=f"thin longer episodes to N frames [{DEFAULT_GIF_MAX_FRAMES}]")
+    p.add_argument("--max-episode-steps", type=int, default=DEFAULT_MAX_EPISODE_STEPS, metavar="N",
+                   help=f"cut an episode after N steps, for envs with no time limit [{DEFAULT_MAX_EPISODE_STEPS}]")
     p.add_argument("--seed", type=int, default=DEFAULT_SEED, metavar="N", help="episode i uses seed N+i")
     p.add_argument("--results", default=None, metavar="DIR", help="results root [as `launcher up`: launcher.toml, $LAUNCHER_RESULTS, or results]")
     p.add_argument("--json", action="store_true", help=f"print JSON ({EVAL_SCHEMA}) instead of text")
@@ -44,6 +46,6 @@ def run(args: argparse.Namespace) -> int:
     from launcher.cli.runs import results_root
 
     doc = evaluate(find_run(results_root(args.results), args.run), episodes=args.episodes, checkpoint=args.checkpoint, seed=args.seed,
-                   gif=args.gif, gif_max_frames=args.gif_max_frames)
+                   gif=args.gif, gif_max_frames=args.gif_max_frames, max_episode_steps=args.max_episode_steps)
     sys.stdout.write((json.dumps(doc, indent=2) if args.json else format_report(doc)) + "\n")
     return 0

@@ -122,3 +122,54 @@ def test_snake_gif_from_its_own_frames(tmp_path: Path) -> None:
         evaluate(RunDir(run.name, run), episodes=1, checkpoint="best")
     with pytest.raises(BadInput, match="--episodes must be >= 1"):
         evaluate(RunDir(run.name, run), episodes=0)
+
+
+ENDLESS = '''
+import gymnasium, numpy as np
+from gymnasium import spaces
+
+class Endless(gymnasium.Env):
+    """Never ends by itself (as Flappy Bird under a good policy); reports a score every 10 steps."""
+    observation_space = spaces.Box(-1.0, 1.0, (3,), np.float32)
+    action_space = spaces.Discrete(2)
+
+    def __init__(self, render_mode=None):
+        self.render_mode = render_mode
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.t = 0
+        return np.zeros(3, np.float32), {"score": 0}
+
+    def step(self, action):
+        self.t += 1
+        return np.zeros(3, np.float32), 0.1, False, False, {"score": self.t // 10}
+
+gymnasium.register(id="EvalEndless-v0", entry_point=Endless)
+'''
+
+
+def test_eval_reports_the_games_score_and_cuts_an_endless_episode(tmp_path: Path) -> None:
+    """An env with no time limit must not hang eval; its info["score"] (Flappy Bird's pipes) is reported.
+    The env's module lives only in the run's --env-dir, as `up --env-dir` ran it."""
+    env_dir = tmp_path / "envs"
+    env_dir.mkdir()
+    (env_dir / "eval_endless_env.py").write_text(ENDLESS)
+    run = tmp_path / "endless-ppo-1"
+    (run / "model").mkdir(parents=True)
+    env_id = "eval_endless_env:EvalEndless-v0"
+    (run / "spec.json").write_text(json.dumps({"run_id": run.name, "env_id": env_id, "algo": "ppo",
+                                               "return_window": 100, "hparams": {}}))
+    (run / "config.json").write_text(json.dumps({"env_dir": str(env_dir)}))
+    from gymnasium import spaces
+
+    arch = Architecture.for_spaces(spaces.Box(-1.0, 1.0, (3,), np.float32), spaces.Discrete(2))
+    rng = np.random.default_rng(0)
+    weights = {k: rng.normal(0, 0.05, shape).astype(np.float32) for k, shape in expected_shapes(arch).items()}
+    np.savez(run / "model" / "policy.npz", **weights)  # type: ignore[arg-type]  # numpy's stub misreads **
+    doc = evaluate(RunDir(run.name, run), episodes=2, max_episode_steps=57)
+    assert doc["lengths"] == [57, 57] and doc["cut_at_max_steps"] == 2
+    assert doc["scores"] == [5.0, 5.0] and doc["mean_score"] == 5.0
+    jsonschema.validate(doc, schemas.load(schemas.EVAL_SCHEMA))
+    with pytest.raises(BadInput, match="--max-episode-steps must be >= 1"):
+        evaluate(RunDir(run.name, run), episodes=1, max_episode_steps=0)
