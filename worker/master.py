@@ -368,7 +368,7 @@ class Master:
         if server is not None:
             server.close()
         spec, tally = self.spec, self.tally
-        title = f"{spec.env_id} · {spec.algo} · {spec.total_workers} workers · {spec.run_id}"
+        title = f"{spec.env_id.rpartition(':')[2]} · {spec.algo} · {spec.total_workers} workers · {spec.run_id}"
         try:
             plot_learning_curve(self.files.metrics, self.files.curve, title=title, window=spec.return_window,
                                 target=spec.until_return)
