@@ -230,11 +230,25 @@ def lose_node(bed: Bed, node: Node) -> None:
     pid = daemon.pid_of(node)
     if pid:
         os.kill(pid, signal.SIGKILL)
+    _kill_all_of(node, LEFTOVER_WAIT_S)
+
+
+# How long a lost node's processes may take to be gone. On a loaded machine a SIGKILLed containerd can take
+# seconds to exit (a task in uninterruptible sleep on its overlay mounts); until it has, it holds the flock on
+# its metadata database, and a restored daemon's containerd blocks on that lock until dockerd gives up
+# ("timeout waiting for containerd to start", seen once in CI).
+LEFTOVER_WAIT_S = 30.0
+
+
+def _kill_all_of(node: Node, wait_s: float) -> set[int]:
+    """SIGKILL every process in ``node``'s namespace and cgroups until none is left or ``wait_s`` passes;
+    returns what is still there."""
     inode = netns.inode(node.name)
-    for _ in range(5):
+    deadline = time.monotonic() + wait_s
+    while True:
         left = set(netns.pids_inside({inode} if inode else set())) | daemon.pids_in_cgroups(node)
-        if not left:
-            return
+        if not left or time.monotonic() > deadline:
+            return left
         for p in left:
             try:
                 os.kill(p, signal.SIGKILL)
@@ -245,10 +259,21 @@ def lose_node(bed: Bed, node: Node) -> None:
 
 def restore_node(bed: Bed, node: Node) -> None:
     """The lost machine comes back: network up, its daemon started again on the same data root (it rejoins
-    the swarm by itself)."""
-    daemon.unmount_all(node.root / "exec")  # what the killed daemon left mounted (container namespaces)
-    netns.ip("link", "set", "eth0", "up", ns=node.name)
-    daemon.start(node)
+    the swarm by itself). Nothing of the lost daemon may still run then (see :data:`LEFTOVER_WAIT_S`); a start
+    that fails anyway is retried once after clearing what it left."""
+    for attempt in (1, 2):
+        left = _kill_all_of(node, LEFTOVER_WAIT_S)
+        if left:
+            raise RuntimeError(f"{node.name}: processes {sorted(left)} outlived SIGKILL for {LEFTOVER_WAIT_S:g} s")
+        daemon.unmount_all(node.root / "exec")  # what the killed daemon left mounted (container namespaces)
+        netns.ip("link", "set", "eth0", "up", ns=node.name)
+        try:
+            daemon.start(node)
+            return
+        except RuntimeError:
+            if attempt == 2:
+                raise
+            log.warning("%s: its daemon did not come back; clearing what it left and starting it again", node.name)
 
 
 def tear_down(bed: Bed) -> list[str]:
