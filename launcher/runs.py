@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from launcher.errors import BadInput
-from worker.contract import LOGS_DIR, SPEC_FILE, RunFiles
+from worker.contract import LOGS_DIR, SPEC_FILE, RunFiles, plain_env_id
 from launcher.safefs import read_json_at
 from worker.results import atomic_write_json
 
@@ -27,7 +27,7 @@ RUN_ID_RE = re.compile(r"^[a-z0-9][a-z0-9-]{2,62}$")
 def new_run_id(env_id: str, algo: str, now: float | None = None) -> str:
     """``<env>-<algo>-<YYYYmmdd-HHMMSS>-<4 hex>``: sortable by time, unique across users and hosts."""
     # ``pkg.module:EnvId`` is named after EnvId (flappybird-..., not flappybirdgymnas-...)
-    env = re.sub(r"[^a-z0-9]+", "", env_id.rpartition(":")[2].split("/")[-1].lower().split("-v")[0])[:16] or "env"
+    env = re.sub(r"[^a-z0-9]+", "", plain_env_id(env_id).split("/")[-1].lower().split("-v")[0])[:16] or "env"
     stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(now))
     return f"{env}-{algo}-{stamp}-{secrets.token_hex(2)}"
 

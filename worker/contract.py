@@ -38,6 +38,13 @@ DEFAULT_MAX_UTILIZATION_PCT = 50.0  # a GPU busier than this (percent) is not ch
 SPEC_VERSION = 1
 
 
+def plain_env_id(env_id: str) -> str:
+    """The registered id without its module: ``"flappy_bird_gymnasium:FlappyBird-v0"`` -> ``"FlappyBird-v0"``
+    (an id without a module is itself). Per-env defaults, run ids and plot titles follow the env, not the module
+    that registers it. Here, in the standard-library-only contract, so the host uses it without gymnasium."""
+    return env_id.rpartition(":")[2]
+
+
 def resolve_hparams(algo: str, env_id: str, overrides: dict[str, Any]) -> dict[str, Any]:
     """The hyper-parameters a run of ``algo`` on ``env_id`` will use: per-env defaults with ``overrides`` (``--set``).
 

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from worker.algorithms import hparams as hparams_mod
-from worker.contract import LISTEN_FD_ENV, TF_THREADS_ENV, RunFiles, RunSpec
+from worker.contract import LISTEN_FD_ENV, TF_THREADS_ENV, RunFiles, RunSpec, plain_env_id
 from worker.envs import make_env
 from worker.inbox import ByteBoundedInbox
 from worker.links import Counters, GroupLink, LinkServer
@@ -368,7 +368,7 @@ class Master:
         if server is not None:
             server.close()
         spec, tally = self.spec, self.tally
-        title = f"{spec.env_id.rpartition(':')[2]} · {spec.algo} · {spec.total_workers} workers · {spec.run_id}"
+        title = f"{plain_env_id(spec.env_id)} · {spec.algo} · {spec.total_workers} workers · {spec.run_id}"
         try:
             plot_learning_curve(self.files.metrics, self.files.curve, title=title, window=spec.return_window,
                                 target=spec.until_return)

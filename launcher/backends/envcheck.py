@@ -28,6 +28,7 @@ from typing import Any, Mapping
 
 from launcher.config import RunConfig
 from launcher.errors import BadInput, LauncherError, MissingDependency
+from worker.contract import plain_env_id
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +121,7 @@ def refusal(cfg: RunConfig, probe: EnvProbe, *, containers: bool) -> LauncherErr
     head = f"--env {cfg.env_id!r} cannot be made where the worker groups will run ({probe.where}): {message}"
     if kind == "missing_module":
         package = err.get("package") or "PACKAGE"
-        if cfg.env_id.rpartition(":")[2].startswith("ALE/"):
+        if plain_env_id(cfg.env_id).startswith("ALE/"):
             package = "ale-py --with opencv-python-headless" if containers else "ale-py opencv-python-headless"
         if containers:
             hint = (f"add it to the run's image: `launcher up --with {package} ...` (or `launcher build --with "

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from launcher.errors import BadInput, ConfigErrors
 from launcher.config.options import BACKENDS, MAX_WORKERS, PROGRESS_MODES, RunConfig, check_env_args
-from worker.contract import ALGOS, resolve_hparams
+from worker.contract import ALGOS, plain_env_id, resolve_hparams
 
 if TYPE_CHECKING:
     from launcher.gpu.request import GpuRequest
@@ -91,15 +91,10 @@ def check(cfg: RunConfig) -> None:
         raise ConfigErrors(problems, hint="nothing was started; fix the values above and run again")
 
 
-def plain_env_id(env_id: str) -> str:
-    """``module:EnvId`` -> ``EnvId`` (as :func:`worker.envs.plain_id`, without importing gymnasium here)."""
-    return env_id.rpartition(":")[2]
-
-
 def _check_env(cfg: RunConfig) -> list[str]:
     """The env's name, arguments, directory and extra packages, as far as they can be judged here. Whether
     the env can be made is asked where the groups will run, after the backend is chosen
-    (:mod:`launcher.envcheck`): the host's Python is the wrong place to ask for a container's env."""
+    (:mod:`launcher.backends.envcheck`): the host's Python is the wrong place to ask for a container's env."""
     problems = []
     module, sep, plain = cfg.env_id.rpartition(":")
     if not plain.strip() or (sep and not all(part.isidentifier() for part in module.split("."))):

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+from worker.contract import plain_env_id
+
 COMMON: dict[str, Any] = {
     "gamma": 0.99,
     "gae_lambda": 0.95,
@@ -87,7 +89,7 @@ def resolve(algo: str, env_id: str, overrides: Mapping[str, Any] | None = None, 
     hp = dict(DEFAULTS[algo])
     if kind is not None:
         hp.update(KIND_DEFAULTS.get(kind, {}).get(algo, {}))
-    hp.update(ENV_OVERRIDES.get(_plain_id(env_id), {}).get(algo, {}))
+    hp.update(ENV_OVERRIDES.get(plain_env_id(env_id), {}).get(algo, {}))
     for key, value in (overrides or {}).items():
         if key not in hp:
             raise ValueError(f"unknown {algo} hyper-parameter {key!r}; known: {', '.join(sorted(hp))}")
@@ -122,9 +124,3 @@ def resolve(algo: str, env_id: str, overrides: Mapping[str, Any] | None = None, 
     if problems:
         raise ValueError("; ".join(problems))
     return hp
-
-
-def _plain_id(env_id: str) -> str:
-    """``pkg.module:EnvId`` -> ``EnvId``: per-env defaults follow the env, not the module that registers it
-    (kept here rather than imported from worker.envs, which imports gymnasium)."""
-    return env_id.rsplit(":", 1)[-1]

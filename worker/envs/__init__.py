@@ -26,6 +26,8 @@ import gymnasium
 import numpy as np
 from gymnasium import spaces
 
+from worker.contract import plain_env_id as plain_id  # the one definition; per-env defaults key on it
+
 __all__ = ["SNAKE_ID", "EnvError", "EnvInfo", "describe_env", "make_env", "make_vector_env", "plain_id",
            "register_envs", "resolve_env", "split_env_id"]
 
@@ -75,12 +77,6 @@ def split_env_id(env_id: str) -> tuple[str | None, str]:
                        f"then a registered id, e.g. 'flappy_bird_gymnasium:FlappyBird-v0')",
                        kind="unknown_id", env_id=env_id)
     return module, plain
-
-
-def plain_id(env_id: str) -> str:
-    """The registered id without its module: ``"flappy_bird_gymnasium:FlappyBird-v0"`` -> ``"FlappyBird-v0"``.
-    Per-env defaults (hyper-parameters) are keyed by it."""
-    return env_id.rpartition(":")[2]
 
 
 # Modules whose pip package has another name, for the "install ..." hint.
