@@ -47,7 +47,8 @@ class CliRun:
 @pytest.fixture(scope="session")
 def trained_cartpole(tmp_path_factory: pytest.TempPathFactory) -> CliRun:
     root = tmp_path_factory.mktemp("trained")
-    args = ("up", "--backend", "process", "--gpus", "none", "--workers", "8", "--env", "CartPole-v1", "--algo", "ppo",
+    args = ("up", "--backend", "process", "--gpus", "none", "--workers", "8", "--groups", "2", "--env", "CartPole-v1",
+            "--algo", "ppo",
             "--until-return", str(TARGET_RETURN), "--max-steps", "400000", "--seed", "0", "--results", str(root),
             "--json", "--progress-interval", "1")
     t0 = time.monotonic()

@@ -44,6 +44,9 @@ class PlanRequest:
     # None: the master gets a GPU of its own when the workers fit on the others; True: it must (or the
     # plan fails); False: it shares the first GPU and the workers spread over every GPU.
     isolate_master: bool | None = None
+    # True: collection overlaps learning (the default), so on CPU the learner keeps a core of its own; False
+    # (``sync=true``): actors and learner take turns and every core gets a group.
+    learner_core: bool = True
 
     def __post_init__(self) -> None:
         if self.workers < 1:
@@ -118,15 +121,22 @@ def split_evenly(total: int, parts: int) -> list[int]:
 def cpu_plan(request: PlanRequest, cpu_count: int) -> Plan:
     """A plan with no GPU: groups sized to the cores.
 
-    One group per core (at most ``max_workers_per_group`` workers each) keeps every core busy stepping
-    envs while the learner trains. CPU limits are not slices: actors and learner alternate (PPO waits for
-    the update), so each process may use every core; hard slices would leave cores idle.
+    One group per core but one (at most ``max_workers_per_group`` workers each): collection overlaps
+    learning, so the learner is busy while the groups step envs and needs a core of its own. Measured on
+    2 cores, CartPole PPO, 8 workers (docs/benchmarks.md, section 1): one group of 8 collects at ~27 k
+    env-steps/s while learning, two groups of 4 at ~19 k (three busy processes on two cores, and half the
+    envs per batched call); A3C 22-23 k against ~17 k. A synchronous round (``learner_core=False``) takes
+    turns, so there every core gets a group (CartPole: the same either way; heavier envs step in parallel).
+    CPU limits are not slices: each process may use every core; hard slices would leave cores idle when
+    one side waits for the other.
     """
     cores = max(1, cpu_count)
+    keep_core = request.groups is None and request.learner_core and cores >= 2  # one core is the learner's
     if request.groups is not None:
         n_groups = request.groups
     else:
-        n_groups = max(min(request.workers, cores), math.ceil(request.workers / request.max_workers_per_group))
+        actor_cores = cores - 1 if keep_core else cores
+        n_groups = max(min(request.workers, actor_cores), math.ceil(request.workers / request.max_workers_per_group))
     sizes = split_evenly(request.workers, n_groups)
     cpu_env = {"NVIDIA_VISIBLE_DEVICES": "void", "CUDA_VISIBLE_DEVICES": ""}
     groups = tuple(
@@ -136,7 +146,8 @@ def cpu_plan(request: PlanRequest, cpu_count: int) -> Plan:
     master = ProcessShare(cpus=float(cores), env=dict(cpu_env))
     reasons = (
         f"no GPU selected: CPU plan over {cores} core(s), "
-        f"{request.workers} worker(s) in {n_groups} group(s) of {max(sizes)} or fewer",
+        f"{request.workers} worker(s) in {n_groups} group(s) of {max(sizes)} or fewer"
+        + (" (one core left to the learner)" if keep_core else ""),
     )
     return Plan(master=master, groups=groups, kind="cpu", reasons=reasons)
 

@@ -16,7 +16,7 @@ from typing import Any
 from launcher.errors import BadInput
 from launcher.gpu.placement import PlanRequest
 from launcher.units import parse_size
-from worker.contract import DEFAULT_MAX_UTILIZATION_PCT, DEFAULT_MIN_FREE_MEMORY
+from worker.contract import DEFAULT_MAX_UTILIZATION_PCT, DEFAULT_MIN_FREE_MEMORY, resolve_hparams
 
 DEFAULT_SAMPLES = 3
 DEFAULT_INTERVAL_S = 0.2
@@ -106,6 +106,16 @@ class GpuRequest:
         return self.choice.mode == "none"
 
 
+def _overlapped(cfg: Any) -> bool:
+    """Whether the run's groups collect while the learner learns (its ``sync`` hyper-parameter is false), from
+    the same table the run uses; a bad ``--algo`` or ``--set`` is reported by config's own check, so here it
+    counts as the default (overlapped)."""
+    try:
+        return not resolve_hparams(cfg.algo, cfg.env_id, dict(cfg.hparams))["sync"]
+    except (ValueError, TypeError):
+        return True
+
+
 def request_from_options(cfg: Any) -> tuple[GpuRequest | None, list[str], list[str]]:
     """Build the request from the ``launcher up`` options (a :class:`launcher.config.RunConfig`, whose
     :func:`launcher.config.gpu_request` is the one caller): (request or None, placement problems, other
@@ -130,7 +140,8 @@ def request_from_options(cfg: Any) -> tuple[GpuRequest | None, list[str], list[s
         placement = PlanRequest(
             workers=cfg.workers, max_workers_per_group=cfg.max_workers_per_group, groups=cfg.groups,
             master_memory_bytes=sizes.get("--master-memory", 0), worker_memory_bytes=sizes.get("--worker-memory", 0),
-            isolate_master=True if cfg.isolate_master else False if cfg.share_master_gpu else None)
+            isolate_master=True if cfg.isolate_master else False if cfg.share_master_gpu else None,
+            learner_core=_overlapped(cfg))
     except ValueError as exc:
         placement_problems = [str(exc)]
     else:

@@ -60,7 +60,7 @@ def test_a_run_survives_an_engine_restart_and_leaves_nothing(bed_factory: Callab
     root = tmp_path / "results"
     root.mkdir()
     proc = subprocess.Popen(
-        launcher_cmd("up", "--backend", "docker", "--image", image, "--gpus", "none", "--workers", "2",
+        launcher_cmd("up", "--backend", "docker", "--image", image, "--gpus", "none", "--workers", "2", "--groups", "2",
                      "--max-steps", "60000", "--results", str(root), "--json", "--progress", "plain"),
         cwd=ROOT, env=child_env(DOCKER_HOST=node.docker_host), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         text=True)

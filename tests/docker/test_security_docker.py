@@ -218,7 +218,7 @@ def test_resume_of_a_detached_docker_run_is_refused_while_its_master_lives(tmp_p
     root = tmp_path / "results"
     root.mkdir()
     out = run_launcher("up", "--detach", "--backend", "docker", "--image", launcher_image, "--gpus", "none",
-                       "--workers", "2", "--max-steps", "2000000", "--results", str(root), "--json", timeout=300)
+                       "--workers", "2", "--groups", "2", "--max-steps", "2000000", "--results", str(root), "--json", timeout=300)
     run_id = ""
     try:
         assert out.returncode == 0, out.stderr[-3000:]

@@ -81,7 +81,7 @@ def test_master_sigkill_and_torn_checkpoint_then_resume(tmp_path: Path) -> None:
     cycles: list[dict[str, Any]] = []
     for i in range(kills):
         if run is None:
-            proc = launcher_proc("up", "--backend", "process", "--gpus", "none", "--workers", "4",
+            proc = launcher_proc("up", "--backend", "process", "--gpus", "none", "--workers", "4", "--groups", "2",
                                  "--checkpoint-every", str(CHECKPOINT_EVERY), *common)
         else:
             proc = launcher_proc("up", "--resume", run.name, *common)

@@ -67,7 +67,7 @@ def _argv_with(secret: bytes) -> list[str]:
 
 def test_secret_stays_out_of_argv_results_and_logs_process_backend(tmp_path: Path) -> None:
     root = tmp_path / "results"
-    proc = launcher_proc("up", "--backend", "process", "--gpus", "none", "--workers", "4", "--max-steps", "6000",
+    proc = launcher_proc("up", "--backend", "process", "--gpus", "none", "--workers", "4", "--groups", "2", "--max-steps", "6000",
                          "--results", str(root), "--json", "--progress", "plain")
     drain = Drain(proc)
     try:
@@ -134,8 +134,10 @@ def test_containers_and_network_docker_backend(tmp_path: Path, launcher_image: s
 
     root = tmp_path / "results"
     root.mkdir()
-    proc = launcher_proc("up", "--backend", "docker", "--image", launcher_image, "--gpus", "none", "--workers", "4",
-                         "--max-steps", "6000", "--results", str(root), "--json", "--progress", "plain")
+    proc = launcher_proc("up", "--backend", "docker", "--image", launcher_image, "--gpus", "none", "--workers", "4", "--groups", "2",
+                         # Long enough that every container still runs while it is inspected and probed below
+                         # (6000 steps ended within a second of the first status once teardown got faster).
+                         "--max-steps", "200000", "--results", str(root), "--json", "--progress", "plain")
     drain = Drain(proc)
     figures: dict[str, Any] = {}
     try:

@@ -107,6 +107,39 @@ def test_no_gpus_is_the_cpu_plan_with_the_reason() -> None:
     assert all(g.share.env["NVIDIA_VISIBLE_DEVICES"] == "void" and not g.share.on_gpu for g in plan.groups)
 
 
+@pytest.mark.parametrize(("workers", "cores", "sizes"), [
+    (8, 2, [8]),            # one core steps envs, the other learns
+    (8, 1, [8]),
+    (8, 4, [3, 3, 2]),      # cores - 1 groups
+    (32, 2, [16, 16]),      # the group size still caps
+    (2, 16, [1, 1]),        # never more groups than workers
+])
+def test_a_cpu_plan_leaves_one_core_to_the_learner(workers: int, cores: int, sizes: list[int]) -> None:
+    plan = make_plan(PlanRequest(workers=workers, max_workers_per_group=16), [], cpu_count=cores)
+    assert [g.workers for g in plan.groups] == sizes
+    assert ("one core left to the learner" in plan.reasons[-1]) == (cores >= 2)
+    forced = make_plan(PlanRequest(workers=workers, groups=len(sizes) + 1 if workers > len(sizes) else 1), [],
+                       cpu_count=cores)
+    assert len(forced.groups) == (len(sizes) + 1 if workers > len(sizes) else 1), "--groups still decides"
+    turns = make_plan(PlanRequest(workers=workers, max_workers_per_group=16, learner_core=False), [], cpu_count=cores)
+    assert len(turns.groups) == max(min(workers, cores), math.ceil(workers / 16)), "sync=true: a group per core"
+    assert "learner" not in turns.reasons[-1]
+
+
+def test_the_request_keeps_a_learner_core_unless_the_run_takes_turns() -> None:
+    from launcher.config import RunConfig
+    from launcher.gpu.request import request_from_options
+
+    def core(**kw: object) -> bool:
+        request, placement_problems, problems = request_from_options(RunConfig(workers=16, **kw))  # type: ignore[arg-type]
+        assert request is not None and not placement_problems and not problems
+        return request.placement.learner_core
+
+    assert core() and core(algo="a3c")
+    assert not core(hparams={"sync": True}), "--set sync=true"
+    assert not core(env_id="launcher/Snake-v0"), "Snake's defaults are synchronous"
+
+
 # ---- properties ----------------------------------------------------------------------------------------
 
 @st.composite

@@ -88,7 +88,7 @@ def _start(tmp_path: Path, *extra: str) -> subprocess.Popen[str]:
 
 
 def test_sigterm_tears_everything_down_within_10s(tmp_path: Path) -> None:
-    proc = _start(tmp_path, "--workers", "4", "--max-steps", "10000000")
+    proc = _start(tmp_path, "--workers", "4", "--groups", "2", "--max-steps", "10000000")
     run = wait_for(lambda: next((p for p in tmp_path.iterdir() if (p / "status.json").exists()), None), 90,
                    "the run to start")
     wait_for(lambda: status_of(run).get("env_steps", 0) > 0, 60, "training to start")
@@ -109,7 +109,7 @@ def test_sigterm_tears_everything_down_within_10s(tmp_path: Path) -> None:
 
 
 def test_kill_9_of_the_launcher_leaves_no_orphans(tmp_path: Path) -> None:
-    proc = _start(tmp_path, "--workers", "2", "--max-steps", "10000000")
+    proc = _start(tmp_path, "--workers", "2", "--groups", "2", "--max-steps", "10000000")
     run = wait_for(lambda: next((p for p in tmp_path.iterdir() if (p / "run.json").exists()
                                  and "pids" in read_json(p / "run.json")), None), 90, "the run to start")
     proc.kill()
@@ -118,7 +118,7 @@ def test_kill_9_of_the_launcher_leaves_no_orphans(tmp_path: Path) -> None:
 
 
 def test_stop_and_resume_continues_the_counters(tmp_path: Path) -> None:
-    proc = _start(tmp_path, "--workers", "4", "--max-steps", "10000000", "--checkpoint-every", "5")
+    proc = _start(tmp_path, "--workers", "4", "--groups", "2", "--max-steps", "10000000", "--checkpoint-every", "5")
     run = wait_for(lambda: next((p for p in tmp_path.iterdir() if (p / "status.json").exists()), None), 90,
                    "the run to start")
     wait_for(lambda: status_of(run).get("updates", 0) >= 12, 120, "a dozen updates")

@@ -59,7 +59,7 @@ def _row(run: Path) -> dict[str, Any]:
 
 def test_sigterm_then_kill_then_resume_keeps_counting(tmp_path: Path) -> None:
     """Stop with SIGTERM (interrupted), resume, kill -9 the launcher (stale), resume to the end."""
-    proc = _start(tmp_path, "--workers", "4", "--max-steps", "10000000", "--checkpoint-every", "5")
+    proc = _start(tmp_path, "--workers", "4", "--groups", "2", "--max-steps", "10000000", "--checkpoint-every", "5")
     run = wait_for(lambda: next((p for p in tmp_path.iterdir() if (p / "status.json").exists()), None), 120,
                    "the run to start")
     wait_for(lambda: status_of(run).get("updates", 0) >= 6, 120, "a few updates")
