@@ -214,7 +214,7 @@ def supervise(run: PreparedRun, backend: Backend, *, on_event: Event | None = No
             if budget.all_lost:
                 final, message = RunState.FAILED, "every worker group died and their restart budgets are spent"
                 break
-            time.sleep(poll_s)
+            backend.idle(poll_s)
     except BaseException as exc:
         interrupted = isinstance(exc, LauncherError) and exc.exit_code == ExitCode.INTERRUPTED  # e.g. during a build
         final = final or (RunState.INTERRUPTED if interrupted else RunState.FAILED)

@@ -11,6 +11,7 @@ import argparse
 import logging
 import os
 import sys
+from typing import NoReturn
 
 from worker.contract import LOG_LEVEL_ENV, MASTER_ADDR_ENV
 
@@ -75,5 +76,19 @@ def main(argv: list[str] | None = None) -> int:
     return group.run()
 
 
+def exit_now(code: int) -> NoReturn:
+    """End the process without Python's finalisation. By now everything the run writes is flushed and closed
+    (metrics, summary and status are written atomically, TensorBoard events are flushed per write, leases are
+    flocks the kernel drops), and tearing TensorFlow's runtime down took ~0.7 s of every run's wall time on
+    this kind of machine (measured after a PPOLearner was built: 0.68 s from the last line to the exit)."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import abc
 import enum
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -233,6 +234,11 @@ class Backend(abc.ABC):
     def stop(self, *, grace_s: float = 8.0) -> None:
         """Stop everything: the master first (it checkpoints and tells groups to stop), then the rest;
         kill what has not exited after ``grace_s``. Idempotent; safe after a partial start."""
+
+    def idle(self, seconds: float) -> None:
+        """Wait until the next poll. A backend that can see its master end wakes up then (the run's end is
+        not kept waiting up to a poll period); the default sleeps."""
+        time.sleep(seconds)
 
     def fetch_results(self) -> None:
         """Bring results the master wrote elsewhere (a Swarm volume on another node) into the results

@@ -271,6 +271,17 @@ class ProcessBackend(Backend):
             c.cap_log(self.log_cap_bytes)
         return BackendStatus(self._part(self.master), {i: self._part(c) for i, c in self.groups.items()})
 
+    def idle(self, seconds: float) -> None:
+        """Block on the master's process (up to ``seconds``): its end is seen at once, not at the next poll."""
+        proc = self.master.proc if self.master is not None else None
+        if proc is None:
+            time.sleep(seconds)
+            return
+        try:
+            proc.wait(timeout=seconds)
+        except subprocess.TimeoutExpired:
+            pass
+
     def restart_group(self, index: int) -> None:
         child = self.groups[index]
         child.restarts += 1
