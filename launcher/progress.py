@@ -314,7 +314,8 @@ def build_fields(b: dict[str, Any]) -> dict[str, Any]:
 
 class PlainReporter:
     """Timestamped ``key=value`` lines for logs and CI: a ``progress`` block every ``interval_s`` seconds
-    plus one line per event; never a control code."""
+    plus one line per event, and a last block with the final figures before the ``end`` line when the status
+    changed since the last one printed; never a control code."""
 
     def __init__(self, stream: IO[str] | None = None, interval_s: float = 5.0, *,
                  gpu_reader: Callable[[], Sequence[Any]] | None = read_run_gpus,
@@ -327,6 +328,7 @@ class PlainReporter:
         self._next: float | None = None
         self._build_key: tuple[Any, Any] | None = None
         self._build_next = 0.0
+        self._unshown = False  # a status arrived after the last progress block printed
 
     def _line(self, kind: str, fields: dict[str, Any]) -> None:
         self.stream.write(format_plain_line(kind, fields) + "\n")
@@ -349,11 +351,14 @@ class PlainReporter:
         elif kind == "status":
             now = self.clock()
             if self._next is not None and now < self._next:
+                self._unshown = True
                 return
             # A steady grid (t0, t0 + interval, ...) even when status events arrive late.
             self._next = now + self.interval_s if self._next is None else max(self._next + self.interval_s, now)
             self.emit_progress()
         elif kind == "result":
+            if self._unshown:  # the run ended between two blocks: its final figures, not ones up to a period old
+                self.emit_progress()
             s = data.get("summary") or {}
             self._line("end", {"run_id": data.get("run_id"), "state": data.get("state"),
                                "exit_code": data.get("exit_code"), "mean_return": s.get("mean_return"),
@@ -362,6 +367,7 @@ class PlainReporter:
                                "message": data.get("message")})
 
     def emit_progress(self) -> None:
+        self._unshown = False
         gpus = self.gpu_reader() if (self.gpu_reader and self.tracker.gpu_uuids()) else ()
         snap = self.tracker.snapshot(gpus)
         self._line("progress", progress_fields(snap))

@@ -116,6 +116,28 @@ def gpu_plan() -> Any:
     return make_plan(PlanRequest(workers=8, max_workers_per_group=4), gpus, 4)
 
 
+def test_a_run_that_ends_between_two_blocks_prints_its_final_figures_before_end() -> None:
+    clock, out = Clock(), io.StringIO()
+    rep = PlainReporter(out, interval_s=5.0, gpu_reader=None, clock=clock)
+    rep("prepared", {"run_id": "r1", "results": "/x", "plan": make_plan(PlanRequest(workers=8, groups=2), [], 2)})
+    backend = BackendStatus(Part("master", PartState.RUNNING),
+                            {0: Part("group-0", PartState.RUNNING), 1: Part("group-1", PartState.RUNNING)})
+    for t, steps in ((0, 1000), (1, 40_000), (2, 100_000)):  # the last two come inside the 5 s period
+        clock.t = float(t)
+        rep("status", {"status": status(steps, 480.0), "backend": backend, "restarts": {}})
+    rep("result", {"run_id": "r1", "state": "finished", "exit_code": 0, "summary": {}, "wall_s": 2.0})
+    kinds = [(k, f) for _, k, f in (parse(line) for line in out.getvalue().splitlines())]
+    progress = [f for k, f in kinds if k == "progress"]
+    assert [f["steps"] for f in progress] == ["1000", "100000"], "the first block and the final one, nothing between"
+    assert [k for k, _ in kinds][-4:] == ["progress", "group", "group", "end"]
+    # Nothing new since the last block: no repeat before the end line.
+    out2 = io.StringIO()
+    rep2 = PlainReporter(out2, interval_s=5.0, gpu_reader=None, clock=Clock())
+    rep2("status", {"status": status(1000, 20.0), "backend": backend, "restarts": {}})
+    rep2("result", {"run_id": "r1", "state": "finished", "exit_code": 0, "summary": {}, "wall_s": 2.0})
+    assert [parse(line)[1] for line in out2.getvalue().splitlines()].count("progress") == 1
+
+
 def test_plain_reporter_keeps_a_steady_interval_and_reports_gpus() -> None:
     from launcher.gpu.nvml import GpuInfo
 
@@ -199,7 +221,7 @@ def test_reporter_choice() -> None:
 
 def test_tracker_without_status_yet() -> None:
     t = Tracker(Clock())
-    t.update("prepared", {"run_id": "r9", "results": "/x", "plan": make_plan(PlanRequest(workers=3), [], 2)})
+    t.update("prepared", {"run_id": "r9", "results": "/x", "plan": make_plan(PlanRequest(workers=3, groups=2), [], 2)})
     snap = t.snapshot()
     assert snap.run_id == "r9" and [g.state for g in snap.groups] == ["starting", "starting"]
     assert "progress" in render_snapshot(snap).renderables[-1].plain
