@@ -20,6 +20,7 @@ from launcher.engine.swarm import (ENDED, LOGS_DEADLINE_S, PRE_RUNNING, RESTART_
                                    latest, parse_timestamp)
 from launcher.errors import LauncherError
 from launcher.runs import RunDir
+from worker.contract import LOGS_DIR
 
 log = logging.getLogger(__name__)
 LOST_LOGS_DEADLINE_S = 3.0  # a service with a task on a down node: its stream from there will not end
@@ -91,7 +92,19 @@ class SwarmRun(EngineRun):
         name = self._service_of(part)
         if name is None or self.swarm is None:
             return None
-        return _follow_service(self.swarm, self.run_id, name, max(poll_s, 1.0))
+        run_dir = self.run_dir
+
+        def saved() -> bytes | None:  # what teardown appended to the run's logs/ before removing the service
+            if run_dir is None:
+                return None
+            from launcher import safefs
+
+            try:
+                return safefs.read_tail(run_dir.path, f"{LOGS_DIR}/{part}.log")
+            except OSError:  # missing, or not a regular file of ours (safefs.UnsafeFile)
+                return None
+
+        return _follow_service(self.swarm, self.run_id, name, max(poll_s, 1.0), saved=saved)
 
     def down(self, report: DownReport, *, grace_s: float) -> None:
         """Services first (the swarm would replace a task container removed under it), then whatever
@@ -117,12 +130,16 @@ def lost_node(tasks: list[TaskInfo], nodes: Mapping[str, NodeInfo]) -> str:
     return ""
 
 
-def _follow_service(swarm: SwarmEngine, run_id: str, name: str, poll_s: float) -> Iterator[bytes]:
+def _follow_service(swarm: SwarmEngine, run_id: str, name: str, poll_s: float, *,
+                    saved: Callable[[], bytes | None] = lambda: None) -> Iterator[bytes]:
     """A service's output as it is written, until it has no live task (like ``docker service logs -f``, which
-    never ends by itself). Lines are read by timestamp, so none is printed twice."""
+    never ends by itself). Lines are read by timestamp, so none is printed twice. When the service is removed
+    between two polls (``launcher down`` seconds after the last lines), the rest comes from ``saved()``: the
+    run's log file, which teardown writes before it removes the service."""
     since: str | None = None
     seen: set[bytes] = set()
     ended_at: float | None = None
+    last: bytes | None = None  # the last line printed, to find where the saved copy goes on
     while True:
         fresh = []
         for line in swarm.service_logs(name, since=since, timestamps=True).splitlines(keepends=True):
@@ -133,13 +150,17 @@ def _follow_service(swarm: SwarmEngine, run_id: str, name: str, poll_s: float) -
             fresh.append(text)
             since = _since(stamp.decode(errors="replace")) or since
         if fresh:
+            last = fresh[-1]
             yield b"".join(fresh)
         if len(seen) > 10_000:
             seen = set(sorted(seen)[-2_000:])
         sid = next((s["ID"] for s in swarm.services({RUN_LABEL: run_id}) if s["Spec"]["Name"] == name), None)
         t = latest(swarm.tasks([sid])[sid]) if sid else None
-        if t is None:
-            return  # the service is gone
+        if t is None:  # the service is gone: what it printed after our last read is in the saved copy
+            rest = _after_last(saved() or b"", last)
+            if rest:
+                yield rest
+            return
         if t.state in ENDED:  # over, unless the swarm starts another task after its restart delay
             ended_at = ended_at or time.monotonic()
             if time.monotonic() - ended_at > 3 * RESTART_DELAY_S + poll_s:
@@ -147,6 +168,18 @@ def _follow_service(swarm: SwarmEngine, run_id: str, name: str, poll_s: float) -
         else:
             ended_at = None
         time.sleep(poll_s)
+
+
+def _after_last(saved: bytes, last: bytes | None) -> bytes:
+    """The lines of ``saved`` after the last occurrence of the line ``last`` (all of it when nothing was printed
+    yet; nothing when ``last`` is not there, rather than print twice). Pure."""
+    if last is None:
+        return saved
+    lines = saved.splitlines(keepends=True)
+    for i in range(len(lines) - 1, -1, -1):
+        if lines[i].rstrip(b"\n") == last.rstrip(b"\n"):
+            return b"".join(lines[i + 1:])
+    return b""
 
 
 def _since(stamp: str) -> str | None:

@@ -58,3 +58,14 @@ def test_a_task_rejected_by_the_generic_resource_defect_says_so() -> None:
                  (1, 0))
     err = start_problem("launcher-x-master", [t], 1.0, 0.0, "img")
     assert err is not None and "no longer meets constraints" in err.message and "20.10" in (err.hint or "")
+
+
+def test_a_followed_service_removed_between_two_polls_goes_on_from_the_saved_log() -> None:
+    from launcher.backends.swarm_run import _after_last
+
+    saved = b"listening on\ngroup 0 joined\nreceived SIGTERM; stopping\nrun finished\n"
+    assert _after_last(saved, b"group 0 joined\n") == b"received SIGTERM; stopping\nrun finished\n"
+    assert _after_last(saved, None) == saved, "nothing printed yet: all of it"
+    assert _after_last(saved, b"run finished\n") == b"", "all printed already"
+    assert _after_last(saved, b"a line the copy does not have\n") == b"", "never print a line twice"
+    assert _after_last(b"tick\nx\ntick\ny\n", b"tick\n") == b"y\n", "from the last occurrence"
