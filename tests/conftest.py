@@ -4,3 +4,12 @@ pytest_plugins = ["tests.nvml_fixtures"]
 pytest_plugins += ["tests.docker_fixtures"]  # docker_client, launcher_image, run_container
 pytest_plugins += ["tests.run_fixtures"]  # trained_cartpole: one real run trained to 475, per session
 pytest_plugins += ["tests.testbed.fixtures"]  # swarm_bed, fresh_engine, bed_factory: extra daemons (root)
+
+import signal
+
+# A suite started as a background job of a non-interactive shell (`nohup .ci/run &`) inherits SIGINT ignored,
+# and so would every launcher it starts (an ignored signal survives exec): a SIGINT sent before the launcher
+# installs its handler would then be lost instead of ending it, unlike Ctrl-C in a terminal. Python's own
+# handler here means children start with SIGINT at its default (handlers are reset on exec).
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)

@@ -146,7 +146,8 @@ def verify_checkpoints(run: Path, timeout: float = 240) -> list[dict[str, Any]]:
 def launcher_proc(*args: str, cwd: Path | None = None, user: int | None = None, **env: str) -> subprocess.Popen[str]:
     """``python -m launcher ARGS`` in the background, stdout and stderr pipes (read by :class:`Drain`).
 
-    ``user``: run it as this uid (and gid), with the docker group, through ``setpriv``."""
+    ``user``: run it as this uid (and gid), with the docker group, through ``setpriv``. SIGINT starts at its
+    default, as in a terminal (tests/conftest.py: a suite that inherited it ignored gives it its handler back)."""
     argv = [sys.executable, "-m", "launcher", *args]
     if user is not None:
         argv = ["setpriv", f"--reuid={user}", f"--regid={user}", f"--groups={docker_gid()}", *argv]

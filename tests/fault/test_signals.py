@@ -71,7 +71,7 @@ def test_process_up_signalled_at_random_moments_leaves_nothing(tmp_path: Path) -
         edges = [0.0, 0.6] + [0.6 + (window_s - 0.6) * k / (cycles - 1) for k in range(1, cycles)]
         delay = r.uniform(edges[i], edges[i + 1])
         before = set(root.iterdir()) if root.is_dir() else set()
-        proc = launcher_proc("up", "--backend", "process", "--gpus", "none", "--workers", "2", "--max-steps",
+        proc = launcher_proc("up", "--backend", "process", "--gpus", "none", "--workers", "2", "--groups", "2", "--max-steps",
                              "100000000", "--results", str(root), "--progress", "plain")
         drain = Drain(proc)
         try:
@@ -79,7 +79,13 @@ def test_process_up_signalled_at_random_moments_leaves_nothing(tmp_path: Path) -
             phase = _phase(root, before)
             t0 = time.monotonic()
             proc.send_signal(sig)
-            code = drain.wait(timeout=60)
+            try:
+                code = drain.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                children = subprocess.run(["ps", "-o", "pid,stat,etime,args", "--ppid", str(proc.pid)],
+                                          capture_output=True, text=True).stdout
+                pytest.fail(f"`up` still running 60 s after {signal.Signals(sig).name} at {delay:.1f} s (phase "
+                            f"{phase}); its children:\n{children}\nstderr:\n{drain.stderr[-3000:]}")
             took = time.monotonic() - t0
         finally:
             stop_proc(proc)
@@ -127,7 +133,7 @@ def test_two_docker_launchers_signalled_at_random_moments(tmp_path: Path, launch
         for i in range(cycles):
             before = set(root.iterdir())
             procs = [launcher_proc("up", "--backend", "docker", "--image", launcher_image, "--gpus", "none",
-                                   "--workers", "2", "--max-steps", "100000000", "--results", str(root),
+                                   "--workers", "2", "--groups", "2", "--max-steps", "100000000", "--results", str(root),
                                    "--progress", "plain") for _ in range(2)]
             drains = [Drain(p) for p in procs]
             sigs = [SIGNALS[(i + k) % 2] for k in range(2)]
@@ -185,7 +191,7 @@ def test_signal_during_image_build(tmp_path: Path, launcher_image: str, engine: 
     tag = f"launcher-fault-throwaway:{secrets.token_hex(4)}"
     root = tmp_path / "results"
     root.mkdir()
-    proc = launcher_proc("up", "--backend", "docker", "--image", tag, "--gpus", "none", "--workers", "2",
+    proc = launcher_proc("up", "--backend", "docker", "--image", tag, "--gpus", "none", "--workers", "2", "--groups", "2",
                          "--max-steps", "100000000", "--results", str(root), "--progress", "plain")
     drain = Drain(proc)
     try:
@@ -235,7 +241,7 @@ def test_kill_9_of_the_launcher_then_down_all(foreign_root: Path, launcher_image
         pytest.skip("setpriv is needed to act as an ordinary user")
     root = foreign_root / "results"
     home: dict[str, Any] = {"HOME": str(foreign_root)}
-    proc = launcher_proc("up", "--backend", "docker", "--image", launcher_image, "--gpus", "none", "--workers", "2",
+    proc = launcher_proc("up", "--backend", "docker", "--image", launcher_image, "--gpus", "none", "--workers", "2", "--groups", "2",
                          "--max-steps", "100000000", "--results", str(root), "--progress", "plain",
                          user=FAULT_UID, **home)
     drain = Drain(proc)
