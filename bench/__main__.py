@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if "transport" in which:
         rows = transport.run(reps=8 if args.quick else 15)
-        save("transport", {"table": rows}, cmd)
+        save("transport", {"table": rows, "hashes": transport.hash_costs(reps=8 if args.quick else 15)}, cmd)
         _print("transport", rows, ("size", "raw_ms", "protocol_ms", "pipe_ms", "protocol_vs_raw", "protocol_vs_pipe"))
     if "actors" in which:
         counts = [1, 2, 4, 8, 16, 32]

@@ -114,6 +114,47 @@ def pipe_once(weights: dict[str, np.ndarray], reps: int) -> list[float]:
     return times
 
 
+def hash_costs(nbytes: int = 20_000_000, reps: int = 15) -> list[dict[str, Any]]:
+    """What authenticating every byte of a ``nbytes`` payload costs the receiver, per candidate (medians, ms):
+    one memory pass (``np.copyto``, the floor of any function of every byte), the SHA-256 the sealed frames
+    use, and the faster keyed hashes where their packages are installed (``pip install -e .[bench]``)."""
+    import hashlib
+    import os
+
+    buf = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
+    dst, view, key = np.empty_like(buf), memoryview(buf), os.urandom(32)
+    candidates: dict[str, Any] = {
+        "one memory pass (memcpy)": lambda: np.copyto(dst, buf),
+        "SHA-256 (hashlib; the protocol's payload hash)": lambda: hashlib.sha256(view).digest(),
+        "BLAKE2b keyed (hashlib)": lambda: hashlib.blake2b(view, key=key).digest(),
+    }
+    try:
+        import blake3
+
+        candidates["BLAKE3 keyed, 1 thread (blake3)"] = lambda: blake3.blake3(view, key=key).digest()
+        candidates["BLAKE3 keyed, every core (blake3)"] = \
+            lambda: blake3.blake3(view, key=key, max_threads=blake3.blake3.AUTO).digest()
+    except ImportError:
+        pass
+    try:
+        from cryptography.hazmat.primitives.poly1305 import Poly1305
+
+        candidates["Poly1305 (cryptography)"] = lambda: Poly1305.generate_tag(key, view)
+    except ImportError:
+        pass
+    rows = []
+    for name, f in candidates.items():
+        f()
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            f()
+            times.append(time.perf_counter() - t0)
+        ms = median(times) * 1e3
+        rows.append({"what": name, "bytes": nbytes, "ms": ms, "gb_s": nbytes / ms / 1e6})
+    return rows
+
+
 def run(reps: int = 15) -> list[dict[str, Any]]:
     rows = []
     for label, size in (("100 KB", 100_000), ("20 MB", 20_000_000)):
