@@ -255,7 +255,9 @@ def test_solves_cartpole_in_containers_through_a_group_crash(launcher_image: str
                                                              engine: Engine) -> None:
     env, uid = as_invoker()
     proc = subprocess.Popen(
-        launcher_cmd("up", "--backend", "docker", "--image", launcher_image, "--workers", "8", "--groups", "2", "--env", "CartPole-v1",
+        # One worker per group (~6 k env-steps/s, ~16 s to 475): with 8 a run ends ~5 s after training starts,
+        # close to what the checks and the crash below take.
+        launcher_cmd("up", "--backend", "docker", "--image", launcher_image, "--workers", "2", "--groups", "2", "--env", "CartPole-v1",
                      "--until-return", "475", "--max-steps", "600000", "--results", str(runs_under), "--json"),
         cwd=ROOT, env=child_env(**env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

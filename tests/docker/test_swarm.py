@@ -308,7 +308,8 @@ def test_solves_cartpole_on_a_swarm_through_a_killed_task(launcher_image: str, s
     root = swarm_runs_under
     env, uid = as_invoker()
     proc = subprocess.Popen(
-        launcher_cmd("up", "--backend", "swarm", "--image", launcher_image, "--workers", "8", "--groups", "2", "--env", "CartPole-v1",
+        # One worker per group (~16 s to 475 here): the checks, the kill and the replacement must not be outrun.
+        launcher_cmd("up", "--backend", "swarm", "--image", launcher_image, "--workers", "2", "--groups", "2", "--env", "CartPole-v1",
                      "--until-return", "475", "--max-steps", "600000", "--results", str(root), "--json"),
         cwd=ROOT, env=child_env(**env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
