@@ -18,12 +18,16 @@ import os
 import shutil
 import subprocess
 import uuid
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import pytest
 
 from launcher.errors import MissingDependency
-from launcher.engine import connect_client as connect
+from launcher.backends.docker import teardown
+from launcher.engine import Engine, connect_client as connect
+from launcher.engine import labels as dc
+from launcher.engine.client import Container
 from launcher.image import BuildOptions, Flavour, default_tag
 from launcher.image_build import build_image
 
@@ -106,6 +110,39 @@ def run_container(docker_client: Any) -> Iterator[RunContainer]:
             container.remove(force=True)
         except Exception as exc:  # noqa: BLE001 - teardown must try every container
             log.warning("could not remove test container %s: %s", container.short_id, exc)
+
+
+@pytest.fixture
+def engine(docker_client: Any) -> Iterator[Engine]:
+    """The launcher's own wrapper (:class:`launcher.engine.Engine`) on the suite's engine, closed after the test."""
+    e = Engine()
+    yield e
+    e.close()
+
+
+def ours(engine: Engine, root: Path) -> tuple[list[Container], list[str]]:
+    """The containers and network ids whose ``launcher.results`` label points into ``root``."""
+    prefix = str(root.resolve())
+    snaps = [s for s in engine.containers({dc.RUN_LABEL: None})
+             if s.labels.get(dc.RESULTS_LABEL, "").startswith(prefix)]
+    nets = [nid for nid, _, labels in engine.networks({dc.RUN_LABEL: None})
+            if labels.get(dc.RESULTS_LABEL, "").startswith(prefix)]
+    return snaps, nets
+
+
+@pytest.fixture
+def runs_under(tmp_path: Path, engine: Engine) -> Iterator[Path]:
+    """A results root; at teardown nothing labelled with it may remain (removed, and the test fails)."""
+    root = tmp_path / "results"
+    root.mkdir()
+    yield root
+    snaps, nets = ours(engine, root)
+    for run_id in {s.labels[dc.RUN_LABEL] for s in snaps}:
+        teardown(engine, run_id, grace_s=1)
+    for nid in nets:
+        engine.remove_network(nid)
+    assert ours(engine, root) == ([], [])
+    assert not snaps and not nets, f"the test left {[s.name for s in snaps]} and {len(nets)} network(s) behind"
 
 
 def as_invoker() -> tuple[dict[str, str], int]:

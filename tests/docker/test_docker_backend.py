@@ -13,7 +13,6 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -22,7 +21,7 @@ import pytest
 
 from launcher.backends.base import PartState, PreparedRun
 from launcher.backends.containers import MASTER_PORT, SECRET_MOUNT, group_name, master_name, network_name
-from launcher.backends.docker import DockerBackend, check_gpu_runtime, container_specs, container_state, teardown
+from launcher.backends.docker import DockerBackend, check_gpu_runtime, container_specs, container_state
 from launcher.config import RunConfig
 from launcher.engine import labels as dc
 from launcher.engine.client import Container, Engine
@@ -32,7 +31,7 @@ from launcher.gpu.placement import PlanRequest, cpu_plan, make_plan
 from launcher.runs import create_run_dir, new_secret
 from launcher.supervisor import Budget
 from launcher.up import build_spec
-from tests.docker_fixtures import as_invoker
+from tests.docker_fixtures import as_invoker, ours
 from tests.helpers import ROOT, child_env, launcher_cmd, only_run, read_json, run_launcher, status_of, wait_for
 from worker.spec import RunSpec
 
@@ -206,37 +205,6 @@ RESULT_FILES = ("summary.json", "status.json", "metrics.jsonl", "learning_curve.
                 "logs/group-0.log")
 
 
-def _ours(engine: Engine, root: Path) -> tuple[list[Container], list[str]]:
-    prefix = str(root.resolve())
-    snaps = [s for s in engine.containers({dc.RUN_LABEL: None})
-             if s.labels.get(dc.RESULTS_LABEL, "").startswith(prefix)]
-    nets = [nid for nid, _, labels in engine.networks({dc.RUN_LABEL: None})
-            if labels.get(dc.RESULTS_LABEL, "").startswith(prefix)]
-    return snaps, nets
-
-
-@pytest.fixture
-def engine(docker_client: Any) -> Iterator[Engine]:
-    e = Engine()
-    yield e
-    e.close()
-
-
-@pytest.fixture
-def runs_under(tmp_path: Path, engine: Engine) -> Iterator[Path]:
-    """A results root; at teardown nothing labelled with it may remain (removed, and the test fails)."""
-    root = tmp_path / "results"
-    root.mkdir()
-    yield root
-    snaps, nets = _ours(engine, root)
-    for run_id in {s.labels[dc.RUN_LABEL] for s in snaps}:
-        teardown(engine, run_id, grace_s=1)
-    for nid in nets:
-        engine.remove_network(nid)
-    assert _ours(engine, root) == ([], [])
-    assert not snaps and not nets, f"the test left {[s.name for s in snaps]} and {len(nets)} network(s) behind"
-
-
 def _container(engine: Engine, name: str) -> dict[str, Any]:
     return engine.inspect_raw(name)
 
@@ -323,7 +291,7 @@ def test_gpu_plan_containers_and_missing_nvidia_runtime(launcher_image: str, run
     with pytest.raises(MissingDependency) as err:
         DockerBackend(launcher_image, engine=engine).start(run)
     assert "nvidia-container-toolkit" in (err.value.hint or "")
-    assert _ours(engine, runs_under) == ([], []), "nothing may be created before the check"
+    assert ours(engine, runs_under) == ([], []), "nothing may be created before the check"
 
     # As if the runtime were there: create (not start) the containers and read them back from the engine.
     backend = DockerBackend(launcher_image, engine=engine, gpu_runtime=True)
@@ -345,7 +313,7 @@ def test_gpu_plan_containers_and_missing_nvidia_runtime(launcher_image: str, run
     finally:
         backend.stop(grace_s=1)
         backend.stop(grace_s=1)  # idempotent
-    assert _ours(engine, runs_under) == ([], [])
+    assert ours(engine, runs_under) == ([], [])
 
 
 @pytest.mark.docker
@@ -367,7 +335,7 @@ def test_master_killed_then_resume_continues_from_the_checkpoint(launcher_image:
             proc.wait()
     assert proc.returncode == 7, err[-3000:]  # RUN_FAILED
     assert f"launcher up --resume {run.name}" in out + err
-    assert _ours(engine, runs_under) == ([], []), "the attached up must remove what it started"
+    assert ours(engine, runs_under) == ([], []), "the attached up must remove what it started"
     last = read_json(run / "status.json")
     checkpointed = last["checkpoint"]["updates"]
 
@@ -407,7 +375,7 @@ def test_detach_status_logs_down(launcher_image: str, runs_under: Path, engine: 
     down = run_launcher("down", run.name, *common, timeout=60)
     assert down.returncode == 0, down.stderr
     assert "removed 3 container(s)" in down.stdout
-    assert _ours(engine, runs_under) == ([], [])
+    assert ours(engine, runs_under) == ([], [])
     assert read_json(run / "summary.json")["outcome"] == "interrupted", "the master checkpointed on SIGTERM"
     assert "listening on" in (run / "logs" / "master.log").read_text(), "down keeps the containers' output"
     again = run_launcher("down", run.name, *common, timeout=60)
@@ -442,11 +410,11 @@ def test_launch_latency_and_down_after_the_launcher_was_killed(launcher_image: s
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    snaps, nets = _ours(engine, runs_under)
+    snaps, nets = ours(engine, runs_under)
     assert len(snaps) == 3 and len(nets) == 1, "a killed launcher leaves its containers running"
     st = json.loads(run_launcher("status", run.name, "--json", "--results", str(runs_under), timeout=30).stdout)
     assert st["live"] and st["workers_connected"] == 32
     down = run_launcher("down", run.name, "--results", str(runs_under), timeout=60)
     assert down.returncode == 0 and "removed 3 container(s), 1 network(s)" in down.stdout, down.stdout + down.stderr
-    assert _ours(engine, runs_under) == ([], [])
+    assert ours(engine, runs_under) == ([], [])
     assert latency < 60

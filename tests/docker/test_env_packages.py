@@ -21,7 +21,7 @@ import pytest
 from launcher.engine import labels as dc
 from launcher.engine.client import Engine
 from launcher.image import EXTRAS_LABEL, EXTRAS_PACKAGES_LABEL
-from tests.docker.test_docker_backend import _ours, engine, runs_under  # noqa: F401 - fixtures
+from tests.docker_fixtures import ours
 from tests.helpers import ROOT, child_env, launcher_cmd
 
 DATA = Path(__file__).resolve().parents[1] / "data"
@@ -128,7 +128,7 @@ def test_the_env_check_refuses_a_module_the_image_lacks_before_any_container_sta
     assert "HINT: add it to the run's image: `launcher up --with" in err and "--env-dir DIR" in err
     assert done.stdout == ""
     assert not any(runs_under.iterdir()), "no run directory"
-    assert _ours(engine, runs_under) == ([], []), "no container or network of the run"
+    assert ours(engine, runs_under) == ([], []), "no container or network of the run"
     assert {c.id for c in engine.containers({dc.RUN_LABEL: None})} <= before, "the probe container is gone"
     # A wrong id in a package the image has: exit 2, the ids it does register suggested.
     done = _up(runs_under, launcher_image, "--env", "lab_env:LabTiny-v9", "--env-dir", str(DATA / "userenv"),

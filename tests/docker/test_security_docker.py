@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import stat
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -91,13 +90,6 @@ def test_a_planted_secrets_directory_is_refused(tmp_path: Path, monkeypatch: pyt
 
 
 # ------------------------------------------------------------------------------------------ real engine
-@pytest.fixture
-def engine(docker_client: Any) -> Iterator[Engine]:
-    e = Engine()
-    yield e
-    e.close()
-
-
 @pytest.mark.docker
 def test_created_containers_hide_the_secret_and_carry_limits(tmp_path: Path, launcher_image: str, engine: Engine,
                                                              run_container: Any) -> None:

@@ -14,7 +14,6 @@ import ast
 import os
 import socket
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +22,7 @@ import pytest
 
 from tests.fault.helpers import (Drain, cleanup_docker, cmdlines, environ_of, files_containing, first_run,
                                  launcher_proc, master_pid, ours, record, status, stop_proc)
-from tests.helpers import ROOT, SECRET, wait_for
+from tests.helpers import ROOT, wait_for
 from worker import protocol as p
 from worker.protocol import Connection, MsgType
 
@@ -90,15 +89,6 @@ def test_secret_stays_out_of_argv_results_and_logs_process_backend(tmp_path: Pat
     assert addr.startswith("127.0.0.1:"), f"the master listens on {addr}, not loopback only"
     record("security_process", secret_in_argv=0, master_listens=addr.split(":")[0],
            secret_in_proc_environ="no (an inherited pipe, read once)")
-
-
-@pytest.fixture
-def engine(docker_client: Any) -> Iterator[Any]:
-    from launcher.engine import Engine
-
-    e = Engine()
-    yield e
-    e.close()
 
 
 def _probe(host: str, port: int, timeout: float = 3.0) -> str:

@@ -108,15 +108,6 @@ def _tally(items: Any) -> dict[Any, int]:
     return out
 
 
-@pytest.fixture
-def engine(docker_client: Any) -> Iterator[Any]:
-    from launcher.engine import Engine
-
-    e = Engine()
-    yield e
-    e.close()
-
-
 @pytest.mark.docker
 def test_two_docker_launchers_signalled_at_random_moments(tmp_path: Path, launcher_image: str, engine: Any) -> None:
     """Two `up --backend docker` at once, then SIGINT/SIGTERM to both at a random moment: while both live

@@ -15,7 +15,7 @@ import os
 import signal
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -159,18 +159,9 @@ def test_process_groups_sigkilled_during_training_still_reach_475(tmp_path: Path
     record("worker_kills_process", wall_s=round(wall, 1), **figures)
 
 
-@pytest.fixture
-def docker_engine(docker_client: Any) -> Iterator[Any]:
-    from launcher.engine import Engine
-
-    engine = Engine()
-    yield engine
-    engine.close()
-
-
 @pytest.mark.docker
 def test_docker_groups_sigkilled_during_training_still_reach_475(tmp_path: Path, launcher_image: str,
-                                                                 docker_engine: Any) -> None:
+                                                                 engine: Any) -> None:
     from launcher.backends.docker import group_name
 
     root = tmp_path / "results"
@@ -179,7 +170,7 @@ def test_docker_groups_sigkilled_during_training_still_reach_475(tmp_path: Path,
     def kill(run: Path, g: int) -> None:
         # SIGKILL of the container's main process from the host, as a crash or the OOM killer would do
         # (a `docker kill` counts as a manual stop, which the restart policy ignores).
-        snap = wait_for(lambda: (s := docker_engine.inspect(group_name(run.name, g))) and s.pid > 0 and s,
+        snap = wait_for(lambda: (s := engine.inspect(group_name(run.name, g))) and s.pid > 0 and s,
                         60, f"group {g}'s container to run")
         os.kill(snap.pid, signal.SIGKILL)
 
@@ -187,7 +178,7 @@ def test_docker_groups_sigkilled_during_training_still_reach_475(tmp_path: Path,
         run, result, done, wall = _kill_and_train(root, ("--backend", "docker", "--image", launcher_image), kill,
                                                   "workers-docker")
     finally:
-        left = cleanup_docker(docker_engine, root)
+        left = cleanup_docker(engine, root)
     assert left == ([], []), f"the run left {left} on the engine"
     figures = _check_run(run, result, done)
     for g in {d["group"] for d in done}:
