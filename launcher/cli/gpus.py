@@ -49,10 +49,10 @@ def build_report(
     lease_of = {h.uuid: h for h in locks}
     parts_of = foreign.leases_from(locks, containers)
     gpus = []
-    for gpu in inventory.gpus:
-        lease = lease_of.get(gpu.uuid)
+    for dev in inventory.gpus:
+        lease = lease_of.get(dev.uuid)
         processes = []
-        for p in gpu.processes:
+        for p in dev.processes:
             cid = container_of_pid(p.pid)
             c = by_container.get(cid) if cid else None
             entry_p = {
@@ -63,17 +63,17 @@ def build_report(
                 "role": c.role if c else None,
                 "group": c.group if c else None,
             }
-            parts = parts_of.get(foreign.lease_unit(gpu, p))  # the GPU's lease, or its MIG instance's
+            parts = parts_of.get(foreign.lease_unit(dev, p))  # the GPU's lease, or its MIG instance's
             entry_p["foreign"] = parts is not None and not foreign.part_of_lease(
                 p.pid, parts, parent_of=foreign.parent_pid, container_of=container_of_pid)
             processes.append(entry_p)
-        holders: list[dict[str, Any]] = [{"source": "lock", **asdict(h)} for h in locks if h.uuid == gpu.uuid]
+        holders: list[dict[str, Any]] = [{"source": "lock", **asdict(h)} for h in locks if h.uuid == dev.uuid]
         holders += [
             {"source": "container", "run_id": c.run_id, "role": c.role, "group": c.group,
              "container_id": c.container_id, "container_name": c.name}
-            for c in containers if gpu.uuid in c.gpu_uuids
+            for c in containers if dev.uuid in c.gpu_uuids
         ]
-        entry = gpu.to_dict()
+        entry = dev.to_dict()
         for m in entry["mig_devices"]:  # each MIG instance is leased on its own UUID
             m["lease"] = asdict(lease_of[m["uuid"]]) if m["uuid"] in lease_of else None
         entry.update(processes=processes, holders=holders, lease=None if lease is None else asdict(lease),

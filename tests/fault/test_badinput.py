@@ -23,7 +23,7 @@ import pytest
 
 from launcher.cli.main import main
 from tests.fault.helpers import FAULT_UID, record, tree_digest
-from tests.helpers import ROOT, child_env, launcher_cmd, processes_mentioning
+from tests.helpers import child_env, launcher_cmd, processes_mentioning
 from tests.nvml_fixtures import NvmlStub, machine
 
 

@@ -15,7 +15,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import pytest
 
 from tests.fault.helpers import (Drain, checkpoint_numbers_on_disk, count, events, first_run, launcher_proc,
                                  master_pid, metrics, record, rng, status, stop_proc, unreadable_json,

@@ -6,14 +6,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from launcher.errors import BadInput, NoResources
 from launcher.gpu import queue, store
-from launcher.gpu.holders import KernelLock, exclusive_holders, parse_proc_locks, proc_info
+from launcher.gpu.holders import exclusive_holders, parse_proc_locks, proc_info
 from launcher.gpu.policy import SitePolicy, narrow
 from launcher.gpu.reservations import LeaseDir, lease_dir, list_holders, reserve
 

@@ -158,7 +158,7 @@ def test_sampling_catches_a_gpu_that_turns_busy(nvml_stub: NvmlStub) -> None:
     text = "\n".join(reasons)
     assert "GPU 1 (" in text and "95% utilization > --max-utilization 50%" in text
     assert "GPU 2 (" in text and "< --min-free-memory 8.0 GiB" in text
-    assert f"GPU 3 (" in text and f"process {MISSING_PID}" in text
+    assert "GPU 3 (" in text and f"process {MISSING_PID}" in text
     assert "took the worst of 3 readings" in text
 
 

@@ -18,7 +18,7 @@ from launcher.gpu import mig, nvml, planner, reservations
 from launcher.gpu.placement import PlanRequest
 from launcher.gpu.request import GpuRequest, parse_gpu_choice
 from launcher.gpu.select import SelectionCriteria, select_gpus, worst_of
-from tests.nvml_fixtures import GiB, LiveRun, NvmlStub, gpu, machine, stub_uuid, wait_for
+from tests.nvml_fixtures import GiB, LiveRun, NvmlStub, gpu, stub_uuid, wait_for
 
 REPO = Path(__file__).resolve().parents[3]
 MIG_A = "MIG-aaaaaaaa-0000-0000-0000-000000000001"

@@ -143,7 +143,7 @@ def launcher(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str
 
 def test_plan_obeys_the_policy_on_a_simulated_machine(nvml_stub: NvmlStub, tmp_path: Path) -> None:
     nvml_stub.configure(machine(4))
-    p = write(tmp_path, f'max_gpus_per_user = 2\nreserved_gpus = [0]\nmin_free_memory = "8GiB"\n')
+    p = write(tmp_path, 'max_gpus_per_user = 2\nreserved_gpus = [0]\nmin_free_memory = "8GiB"\n')
     env = nvml_stub.env(LAUNCHER_POLICY=str(p))
     out = launcher(env, "plan", "--workers", "8", "--json", "--sample-interval", "0")
     assert out.returncode == 0, out.stderr
@@ -151,7 +151,7 @@ def test_plan_obeys_the_policy_on_a_simulated_machine(nvml_stub: NvmlStub, tmp_p
     jsonschema.validate(doc, schemas.load(schemas.PLAN_SCHEMA))
     assert doc["kind"] == "gpu" and sorted(doc["gpu_uuids"]) == [stub_uuid(1), stub_uuid(2)]
     reasons = "\n".join(doc["reasons"])
-    assert f"raises --min-free-memory from 1.0 GiB to 8.0 GiB" in reasons
+    assert "raises --min-free-memory from 1.0 GiB to 8.0 GiB" in reasons
     assert f"GPU 0 ({stub_uuid(0)}) not used: reserved by site policy {p}" in reasons
     assert f"site policy {p} allows user" in reasons and "using 2, not GPU(s) 3" in reasons
     assert doc["policy"]["max_gpus_per_user"] == 2
