@@ -226,7 +226,7 @@ class LinkServer:
                 with self._lock:
                     self._open -= 1
                     current = link is not None and self.links.get(link.group) is link
-                    if current:
+                    if current and link is not None:
                         del self.links[link.group]
                 if link is not None:
                     link.close()

@@ -218,7 +218,8 @@ def save_best(files: RunFiles, weights: Mapping[str, np.ndarray], info: Mapping[
     d = files.model_dir
     d.mkdir(parents=True, exist_ok=True)
     tmp = aside(d / BEST_POLICY_FILE)
-    np.savez(tmp, **weights)
+    arrays: dict[str, Any] = dict(weights)  # (numpy's stub would match a value to savez's allow_pickle)
+    np.savez(tmp, **arrays)
     os.replace(tmp, d / BEST_POLICY_FILE)
     atomic_write_json(d / BEST_FILE, {**info, "t": time.time()})
 
@@ -238,7 +239,8 @@ def export_model(files: RunFiles, model: Any, weights: Mapping[str, np.ndarray],
     d = files.model_dir
     d.mkdir(parents=True, exist_ok=True)
     tmp = aside(d / POLICY_FILE)
-    np.savez(tmp, **weights, **norm.arrays())
+    arrays: dict[str, Any] = {**weights, **norm.arrays()}
+    np.savez(tmp, **arrays)
     os.replace(tmp, d / POLICY_FILE)
     normalization = {"obs": norm.obs_mean is not None, "clip_obs": CLIP_OBS, "eps": EPS,
                      "formula": "clip((obs - norm/obs_mean) / sqrt(norm/obs_var + eps), -clip_obs, clip_obs)"}

@@ -100,9 +100,9 @@ class Connection:
         if reuse_buffer:
             if self._rbuf is None or len(self._rbuf) < length:
                 self._rbuf = np.empty(max(length, 2 * (0 if self._rbuf is None else len(self._rbuf))), np.uint8)
-            view = memoryview(self._rbuf).cast("B")[:length]
+            view = self._rbuf.data.cast("B")[:length]
         else:
-            view = memoryview(np.empty(length, dtype=np.uint8)).cast("B")
+            view = np.empty(length, dtype=np.uint8).data.cast("B")
         h = self._hasher()
         self._recv_into(view, deadline, h)
         self._open(h, deadline)
@@ -135,7 +135,7 @@ class Connection:
         fields, layout = parse_meta(bytes(meta), length - META_LEN.size - meta_len)
         targets = into(mtype, fields) or {}
         scratch_bytes = sum(nb for name, dt, shape, _, nb in layout if not _fits(targets.get(name), dt, shape))
-        scratch = memoryview(np.empty(scratch_bytes, np.uint8)).cast("B")
+        scratch = np.empty(scratch_bytes, np.uint8).data.cast("B")
         arrays: dict[str, np.ndarray] = {}
         offset = 0
         for name, dtype, shape, count, nbytes in layout:
@@ -143,7 +143,7 @@ class Connection:
             if _fits(target, dtype, shape):
                 assert target is not None
                 if nbytes:
-                    self._recv_into(memoryview(target).cast("B"), deadline, h)
+                    self._recv_into(target.data.cast("B"), deadline, h)
                 arrays[name] = target
             else:
                 view = scratch[offset:offset + nbytes]

@@ -42,7 +42,7 @@ PAYLOAD_HASH = hashlib.sha256  # the payload's hash under a sealed frame's MAC (
 MAX_DECLARED_ELEMENTS = 1 << 40
 
 # dtype codes accepted on the wire; anything else is rejected before any allocation.
-DTYPES = {
+DTYPES: dict[str, np.dtype[Any]] = {
     "f2": np.dtype("<f2"),
     "f4": np.dtype("<f4"),
     "f8": np.dtype("<f8"),
@@ -132,7 +132,7 @@ def encode_parts(msg_type: MsgType, fields: Mapping[str, Any] | None = None,
         if a.dtype.byteorder == ">":
             a = a.astype(a.dtype.newbyteorder("<"))
         descs.append(_array_descriptor(name, a))
-        bufs.append(memoryview(a).cast("B") if a.size else b"")
+        bufs.append(a.data.cast("B") if a.size else b"")
     meta = json.dumps({"f": dict(fields or {}), "a": descs}, separators=(",", ":"), allow_nan=False).encode()
     payload_len = META_LEN.size + len(meta) + sum(len(b) for b in bufs)
     if payload_len > 0xFFFFFFFF:
