@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -161,6 +162,7 @@ class DockerBackend(Backend):
         self._stopped = False
         self._created = False  # whether this backend created anything on the engine that stop() must remove
         self._own_restarts: dict[int, int] = {}  # group -> restarts done through restart_group
+        self._master_stop_seen = False  # idle() saw the master stop; from then on it only sleeps
 
     @property
     def engine(self) -> Engine:
@@ -252,6 +254,17 @@ class DockerBackend(Backend):
         return BackendStatus(container_part("master", self.engine.inspect(self.master_id)),
                              {i: container_part(f"group-{i}", self.engine.inspect(cid), self._own_restarts.get(i, 0))
                               for i, cid in self.group_ids.items()})
+
+    def idle(self, seconds: float) -> None:
+        """Block on the master's container (``docker wait``, up to ``seconds``): the run's end is seen at once,
+        not at the next poll. Once it has been seen to stop, or when the engine does not answer, this sleeps
+        (the next poll decides; a state the poll still counts alive must not turn this into a busy loop)."""
+        t0 = time.monotonic()
+        if self.master_id is not None and not self._master_stop_seen:
+            if self.engine.wait_stopped(self.master_id, seconds):
+                self._master_stop_seen = True
+                return
+        time.sleep(max(0.0, seconds - (time.monotonic() - t0)))
 
     def restart_group(self, index: int) -> None:
         """Start group ``index``'s exited container again (like ``docker start``)."""

@@ -17,7 +17,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from launcher.engine.errors import ENGINE_HINT, docker_host, engine_call
+from launcher.engine.errors import ENGINE_HINT, docker_host, engine_call, is_not_found
 from launcher.engine.labels import RUN_LABEL, label_filters
 from launcher.errors import LauncherError, MissingDependency
 
@@ -313,6 +313,17 @@ class Engine:
             if "already in progress" in exc.message:
                 return True
             raise
+
+    def wait_stopped(self, container_id: str, timeout_s: float) -> bool:
+        """Block until the container is not running (like ``docker wait --condition not-running``), for at most
+        ``timeout_s`` seconds. True when it has stopped or is gone; False when the time ran out or the engine
+        did not answer (the SDK's read timeout on a unix socket is a ``requests`` ConnectionError), so a caller
+        that polls anyway loses nothing by it."""
+        try:
+            self.client.api.wait(container_id, timeout=timeout_s, condition="not-running")
+        except Exception as exc:  # noqa: BLE001 - a timeout or an outage both mean "not seen to stop"
+            return is_not_found(exc)
+        return True
 
     def wait_removed(self, container_ids: list[str], timeout_s: float = 10.0) -> None:
         """Wait until none of ``container_ids`` exists (removal is asynchronous for a dying container)."""

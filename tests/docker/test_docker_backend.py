@@ -12,6 +12,7 @@ import json
 import os
 import signal
 import subprocess
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -215,6 +216,32 @@ def _kill_hard(engine: Engine, name: str) -> None:
     snapshot = engine.inspect(name)
     assert snapshot is not None and snapshot.pid > 0, f"{name} is not running"
     os.kill(snapshot.pid, signal.SIGKILL)
+
+
+@pytest.mark.docker
+def test_idle_wakes_when_the_master_container_stops(launcher_image: str, docker_client: Any, engine: Engine) -> None:
+    """The supervisor's wait between polls ends when the master's container stops (``docker wait``), not a
+    poll period later; before that it times out as a sleep would; after it, it only sleeps."""
+    c = docker_client.containers.run(launcher_image, entrypoint=["sleep", "120"], detach=True, network_disabled=True,
+                                     labels={dc.RUN_LABEL: f"test-{os.urandom(3).hex()}"})
+    try:
+        assert engine.wait_stopped(c.id, 0.3) is False, "a running container is not reported stopped"
+        backend = DockerBackend(launcher_image, engine=engine)
+        backend.master_id = c.id
+        backend.idle(0.3)  # still running: a plain wait
+        assert (engine.inspect(c.id) or snap("gone")).status == "running"
+        killer = threading.Timer(1.0, lambda: engine.kill(c.id))
+        killer.start()
+        t0 = time.monotonic()
+        backend.idle(120)
+        woke_after = time.monotonic() - t0
+        killer.join()
+        assert (engine.inspect(c.id) or snap("gone")).status != "running"
+        assert woke_after < 60, f"idle(120) returned {woke_after:.1f} s after the start, not when the master stopped"
+        assert engine.wait_stopped(c.id, 5) is True, "a stopped container: at once"
+    finally:
+        c.remove(force=True)
+    assert engine.wait_stopped(c.id, 5) is True, "a removed container counts as stopped"
 
 
 @pytest.mark.docker
