@@ -121,13 +121,24 @@ def engine(docker_client: Any) -> Iterator[Engine]:
 
 
 def ours(engine: Engine, root: Path) -> tuple[list[Container], list[str]]:
-    """The containers and network ids whose ``launcher.results`` label points into ``root``."""
+    """(containers, network names) whose ``launcher.results`` label points below ``root``."""
     prefix = str(root.resolve())
     snaps = [s for s in engine.containers({dc.RUN_LABEL: None})
              if s.labels.get(dc.RESULTS_LABEL, "").startswith(prefix)]
-    nets = [nid for nid, _, labels in engine.networks({dc.RUN_LABEL: None})
+    nets = [name for _, name, labels in engine.networks({dc.RUN_LABEL: None})
             if labels.get(dc.RESULTS_LABEL, "").startswith(prefix)]
     return snaps, nets
+
+
+def cleanup_docker(engine: Engine, root: Path) -> tuple[list[str], list[str]]:
+    """Remove whatever a test left on the engine under ``root``; return what it had left (container and
+    network names, for the assert)."""
+    snaps, nets = ours(engine, root)
+    for rid in {s.labels.get(dc.RUN_LABEL) for s in snaps}:
+        teardown(engine, rid, grace_s=1)
+    for name in ours(engine, root)[1]:
+        engine.remove_network(name)
+    return [s.name for s in snaps], nets
 
 
 @pytest.fixture
@@ -136,13 +147,9 @@ def runs_under(tmp_path: Path, engine: Engine) -> Iterator[Path]:
     root = tmp_path / "results"
     root.mkdir()
     yield root
-    snaps, nets = ours(engine, root)
-    for run_id in {s.labels[dc.RUN_LABEL] for s in snaps}:
-        teardown(engine, run_id, grace_s=1)
-    for nid in nets:
-        engine.remove_network(nid)
+    containers, nets = cleanup_docker(engine, root)
     assert ours(engine, root) == ([], [])
-    assert not snaps and not nets, f"the test left {[s.name for s in snaps]} and {len(nets)} network(s) behind"
+    assert not containers and not nets, f"the test left {containers} and {len(nets)} network(s) behind"
 
 
 def as_invoker() -> tuple[dict[str, str], int]:

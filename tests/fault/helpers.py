@@ -250,26 +250,3 @@ def docker_gid() -> int:
         return os.stat("/var/run/docker.sock").st_gid
 
 
-# ---------------------------------------------------------------------------------------------- docker
-def ours(engine: Any, root: Path) -> tuple[list[Any], list[str]]:
-    """(containers, network names) whose ``launcher.results`` label points below ``root``."""
-    from launcher.engine import labels as dc
-
-    prefix = str(root.resolve())
-    snaps = [s for s in engine.containers({dc.RUN_LABEL: None}) if s.labels.get(dc.RESULTS_LABEL, "").startswith(prefix)]
-    nets = [name for _, name, labels in engine.networks({dc.RUN_LABEL: None})
-            if labels.get(dc.RESULTS_LABEL, "").startswith(prefix)]
-    return snaps, nets
-
-
-def cleanup_docker(engine: Any, root: Path) -> tuple[list[str], list[str]]:
-    """Remove whatever a test left on the engine under ``root``; return what it had left (for the assert)."""
-    from launcher.backends.docker import teardown
-    from launcher.engine import labels as dc
-
-    snaps, nets = ours(engine, root)
-    for rid in {s.labels.get(dc.RUN_LABEL) for s in snaps}:
-        teardown(engine, rid, grace_s=1)
-    for name in ours(engine, root)[1]:
-        engine.remove_network(name)
-    return [s.name for s in snaps], nets

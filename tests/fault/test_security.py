@@ -20,8 +20,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tests.fault.helpers import (Drain, cleanup_docker, cmdlines, environ_of, files_containing, first_run,
-                                 launcher_proc, master_pid, ours, record, status, stop_proc)
+from tests.docker_fixtures import cleanup_docker, ours
+from tests.fault.helpers import (Drain, cmdlines, environ_of, files_containing, first_run, launcher_proc, master_pid,
+                                 record, status, stop_proc)
 from tests.helpers import ROOT, wait_for
 from worker import protocol as p
 from worker.protocol import Connection, MsgType

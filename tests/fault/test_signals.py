@@ -24,8 +24,9 @@ from typing import Any
 
 import pytest
 
-from tests.fault.helpers import (FAULT_UID, Drain, cleanup_docker, count, first_run, launcher_proc, ours, record,
-                                 rng, status, stop_proc, unreadable_json)
+from tests.docker_fixtures import cleanup_docker, ours
+from tests.fault.helpers import (FAULT_UID, Drain, count, first_run, launcher_proc, record, rng, status, stop_proc,
+                                 unreadable_json)
 from tests.helpers import ROOT, child_env, launcher_cmd, processes_mentioning, read_json, wait_for
 
 
