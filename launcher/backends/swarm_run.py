@@ -10,6 +10,7 @@ import time
 from collections.abc import Iterator, Mapping
 from typing import Any, Callable
 
+from launcher import safefs
 from launcher.backends.base import DownReport, Part, part_order
 from launcher.backends.containers import (UNPRIVILEGED_UID_GID, EngineRun, LogCopy, labelled_results, logs_dir_for,
                                           run_dir_from_labels, save_logs)
@@ -97,8 +98,6 @@ class SwarmRun(EngineRun):
         def saved() -> bytes | None:  # what teardown appended to the run's logs/ before removing the service
             if run_dir is None:
                 return None
-            from launcher import safefs
-
             try:
                 return safefs.read_tail(run_dir.path, f"{LOGS_DIR}/{part}.log")
             except OSError:  # missing, or not a regular file of ours (safefs.UnsafeFile)
