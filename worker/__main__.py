@@ -2,7 +2,9 @@
 
 The run spec comes from ``--spec FILE`` or the ``LAUNCHER_SPEC`` environment variable (JSON); the secret
 from ``LAUNCHER_SECRET`` / ``LAUNCHER_SECRET_FILE``. ``LAUNCHER_MASTER_ADDR`` (host:port) overrides where
-a group dials. Exit codes: 0 finished/stopped, 1 failed, 2 bad spec, 3 master unreachable, 4 refused.
+a group dials. Exit codes (named in :mod:`worker.contract`): 0 finished/stopped, 1 failed, 2 bad spec, 3 master
+unreachable, 4 the master refused the group's secret, 5 the algorithm's code raised in the group (the supervisor
+restarts neither 4 nor 5, and neither spends the restart budget), 75 a GPU lease was taken by another run.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import os
 import sys
 from typing import NoReturn
 
-from worker.contract import LOG_LEVEL_ENV, MASTER_ADDR_ENV
+from worker.contract import EXIT_BAD_SPEC, EXIT_FAILED, LOG_LEVEL_ENV, MASTER_ADDR_ENV
 
 
 def _load_spec(path: str | None):  # -> RunSpec
@@ -55,25 +57,75 @@ def main(argv: list[str] | None = None) -> int:
         secret = take_secret()
     except (ValueError, OSError, RuntimeError) as exc:
         logging.getLogger("worker").error("cannot start: %s", exc)
-        return 2
+        return EXIT_BAD_SPEC
     if args.role == "master":
         from worker.contract import hold_live
 
         hold_live(spec.results_dir)  # the run is live while this process is: `up --resume` refuses it
-        from worker.master import Master, install_signal_handlers
+        master = None
+        try:
+            from worker.master import Master, install_signal_handlers
 
-        master = Master(spec, secret)
-        install_signal_handlers(master)
-        return master.run()
+            master = Master(spec, secret)
+            install_signal_handlers(master)
+            return master.run()
+        except Exception as exc:  # noqa: BLE001 - whatever ended the master, the launcher must learn what
+            return master_crashed(spec, exc, summary_written=master is not None and master.outcome is not None)
     if args.index is None:
         parser.error("group needs --index")
-    from worker.group import WorkerGroup, install_signal_handlers as group_signals
+    from worker.algorithms import UserCodeError
+    from worker.group import EXIT_USER_CODE, WorkerGroup, install_signal_handlers as group_signals
 
     addr = os.environ.get(MASTER_ADDR_ENV, f"{spec.connect_host}:{spec.master_port}")
     host, _, port = addr.rpartition(":")
-    group = WorkerGroup(spec, args.index, secret, (host.strip("[]"), int(port)))
+    where = f"group {args.index}"
+    try:
+        group = WorkerGroup(spec, args.index, secret, (host.strip("[]"), int(port)))
+    except UserCodeError as exc:  # the pre-flight check passed, yet here the algorithm cannot be loaded
+        logging.getLogger("worker").error("cannot start: %s", exc)
+        say_fatal(exc, f"{where}: loading the algorithm")
+        return EXIT_USER_CODE
+    except Exception as exc:  # noqa: BLE001 - its envs or its setup: the launcher must learn what
+        logging.getLogger("worker").exception("cannot start")
+        say_fatal(exc, f"{where}: starting")
+        return EXIT_FAILED
     group_signals(group)
-    return group.run()
+    try:
+        return group.run()
+    except Exception as exc:  # noqa: BLE001
+        logging.getLogger("worker").exception("group %d failed", args.index)
+        say_fatal(exc, where)
+        return EXIT_FAILED
+
+
+def say_fatal(exc: BaseException, where: str) -> None:
+    """The last line on stderr (the part's log): what killed this process (:func:`worker.ending.fatal_line`)."""
+    from worker.ending import error_doc, fatal_line
+
+    sys.stderr.write(fatal_line(error_doc(exc, where)) + "\n")
+    sys.stderr.flush()
+
+
+def master_crashed(spec, exc: BaseException, *, summary_written: bool) -> int:  # spec: RunSpec
+    """An exception escaped the master (its imports, its construction, its shutdown): log the traceback and, unless
+    the master wrote its summary already, write one that names the exception, so ``launcher status``, ``--json``
+    and the live view say what happened rather than only an exit code. Returns the exit code."""
+    from pathlib import Path
+
+    from worker.contract import RunFiles
+    from worker.ending import Outcome, error_doc
+    from worker.results import atomic_write_json
+
+    logging.getLogger("worker.master").exception("master failed")
+    say_fatal(exc, "the master")
+    if not summary_written:
+        try:
+            atomic_write_json(RunFiles(Path(spec.results_dir)).summary, {
+                "schema": "launcher.summary/v1", "run_id": spec.run_id, "outcome": Outcome.FAILED.value,
+                "target_reached": False, "error": error_doc(exc, "the master")})
+        except OSError as write_error:
+            logging.getLogger("worker.master").error("cannot write summary.json: %s", write_error)
+    return EXIT_FAILED
 
 
 def exit_now(code: int) -> NoReturn:

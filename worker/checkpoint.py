@@ -1,5 +1,5 @@
-"""Checkpoints of the learner: model, optimiser, run counters and normalisation statistics, via
-``tf.train.CheckpointManager``.
+"""Checkpoints of the learner: what its :meth:`worker.api.Learner.checkpoint` names (the model, optimisers,
+statistics) and the run's counters and recent returns, via ``tf.train.CheckpointManager``.
 
 TensorFlow writes a checkpoint's data and index files first and only then replaces the ``checkpoint``
 state file, atomically; a crash mid-write therefore leaves the previous checkpoint as the latest. On
@@ -14,11 +14,10 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import numpy as np
 
-from worker.normalize import Moments, RunningNorm
 
 log = logging.getLogger(__name__)
 
@@ -34,39 +33,28 @@ class Counters:
 
 
 class Checkpointer:
-    """Saves and restores (model, optimiser, counters, recent returns, normalisation moments) under ``directory``.
+    """Saves and restores the learner's parts and the run's counters and recent returns under ``directory``.
 
     Args:
         directory: the run's ``checkpoints/`` directory.
+        parts: the learner's :meth:`worker.api.Learner.checkpoint` (name -> TensorFlow trackable: the model,
+            optimisers, variables).
         window: how many recent episode returns are kept (the ``--until-return`` window).
         max_to_keep: checkpoints kept on disk.
-        norm: the master's running statistics: saved with every checkpoint, and restored into it in
-            place (a checkpoint from before normalisation leaves them empty).
     """
 
-    def __init__(self, directory: Path, model: Any, optimizer: Any, *, window: int, max_to_keep: int = 3,
-                 norm: RunningNorm | None = None) -> None:
+    def __init__(self, directory: Path, parts: Mapping[str, Any], *, window: int, max_to_keep: int = 3) -> None:
         import tensorflow as tf
 
         self.directory = directory
         self._counters = tf.Variable(np.zeros(len(COUNTERS), np.int64), trainable=False, name="counters")
         self._returns = tf.Variable(np.zeros(window, np.float64), trainable=False, name="recent_returns")
         self._n_returns = tf.Variable(0, dtype=tf.int64, trainable=False, name="n_recent_returns")
-        parts: dict[str, Any] = {"model": model, "optimizer": optimizer, "counters": self._counters,
-                                 "recent_returns": self._returns, "n_recent_returns": self._n_returns}
-        if getattr(model, "log_std", None) is not None:
-            parts["log_std"] = model.log_std
-        self.norm = norm
-        self._moments: dict[str, tuple[Any, Any, Any]] = {}
-        for prefix in ("obs", "ret"):
-            m = getattr(norm, prefix, None) if norm is not None else None
-            if m is not None:  # (count, mean, m2), float64 like the moments themselves
-                self._moments[prefix] = tuple(
-                    tf.Variable(np.zeros(shape, np.float64), trainable=False, name=f"norm_{prefix}_{part}")
-                    for part, shape in (("count", ()), ("mean", m.mean.shape), ("m2", m.m2.shape)))
-                for part, var in zip(("count", "mean", "m2"), self._moments[prefix]):
-                    parts[f"norm_{prefix}_{part}"] = var
-        self.checkpoint = tf.train.Checkpoint(**parts)
+        own = {"counters": self._counters, "recent_returns": self._returns, "n_recent_returns": self._n_returns}
+        clash = sorted(set(own) & set(parts))
+        if clash:
+            raise ValueError(f"the learner's checkpoint names {clash} are the launcher's own; choose others")
+        self.checkpoint = tf.train.Checkpoint(**own, **parts)
         self.manager = tf.train.CheckpointManager(self.checkpoint, str(directory), max_to_keep=max_to_keep)
 
     def save(self, counters: Counters, recent_returns: list[float]) -> str:
@@ -77,17 +65,7 @@ class Checkpointer:
         buf[: len(recent)] = recent
         self._returns.assign(buf)
         self._n_returns.assign(len(recent))
-        for prefix, (count, mean, m2) in self._moments.items():
-            m = getattr(self.norm, prefix)
-            count.assign(m.count)
-            mean.assign(m.mean)
-            m2.assign(m.m2)
         return str(self.manager.save(checkpoint_number=counters.updates))
-
-    def load_norm(self) -> None:
-        """Put the restored normalisation moments into ``norm`` (after a ``checkpoint.restore``)."""
-        for prefix, (count, mean, m2) in self._moments.items():
-            setattr(self.norm, prefix, Moments(float(count.numpy()), mean.numpy().copy(), m2.numpy().copy()))
 
     def restore_latest(self) -> tuple[Counters, list[float], str] | None:
         """Restore the newest readable checkpoint; None when there is none.
@@ -106,7 +84,6 @@ class Checkpointer:
                 log.warning("checkpoint %s is unreadable (%s: %s); trying an older one", path,
                             type(exc).__name__, exc)
                 continue
-            self.load_norm()
             values = self._counters.numpy().tolist()
             counters = Counters(**dict(zip(COUNTERS, (int(v) for v in values))))
             n = int(self._n_returns.numpy())

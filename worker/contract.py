@@ -2,7 +2,8 @@
 
 The host side (``launcher/``) writes a :class:`RunSpec` as JSON and sets the ``LAUNCHER_*`` variables named
 here; the run side (``worker/``) reads them once at start and passes typed values down. The launcher imports
-this module and :mod:`worker.results` from ``worker/`` and nothing else, so this module must stay light:
+this module, :mod:`worker.ending` (run states, outcomes, the error document) and :mod:`worker.results` from
+``worker/`` and nothing else, so this module must stay light:
 standard library only (no numpy, gymnasium or TensorFlow), or every ``launcher`` command would pay for them.
 
 The run secret is never part of the spec: it travels in ``LAUNCHER_SECRET`` or a file named by
@@ -28,10 +29,21 @@ LOG_LEVEL_ENV = "LAUNCHER_LOG_LEVEL"  # logging level of a run's process (defaul
 LISTEN_FD_ENV = "LAUNCHER_LISTEN_FD"  # an inherited, already-bound listening socket (process backend)
 LEASES_ENV = "LAUNCHER_LEASES"  # comma-separated GPU lease file paths the master takes first thing (worker/lease.py)
 LEASE_DIR = "/run/launcher/leases"  # where a container backend mounts those lease files
+
+# --- exit codes of a run's processes (``python -m worker master|group``) --------------------------------
+# The supervisor reads a group's exit code to decide whether a restart can help: only a crash (any code not
+# named here, or a signal) spends the restart budget.
+EXIT_OK = 0  # master: the run ended (summary.json says how); group: the master told it the run is over
+EXIT_FAILED = 1  # master: the run failed; summary.json's error names the exception, its message and where
+EXIT_BAD_SPEC = 2  # either: no or a malformed run spec, or no run secret; nothing ran
+GROUP_MASTER_GONE_EXIT = 3  # a group that could not reach the master within its reconnect deadline
+GROUP_AUTH_REFUSED_EXIT = 4  # the master refused the group's handshake (wrong secret): never restarted
+GROUP_USER_CODE_EXIT = 5  # a group whose algorithm code raised: never restarted (the master ends the run failed)
 LEASE_LOST_EXIT = 75  # EX_TEMPFAIL: the master found a lease taken by another run; the launcher replans or reports it
 
 # --- values both halves validate ------------------------------------------------------------------------
-ALGOS = ("ppo", "a3c")
+ALGOS = ("ppo", "a3c")  # the built-ins (worker/algorithms BUILTINS); any other is MODULE:Class or FILE.py:Class
+ACTING = ("auto", "numpy", "tensorflow")  # how groups run the model: auto picks numpy when every layer converts
 SWARM_MASTER = ("auto", "local", "storage", "any")  # where a Swarm run's master may be placed
 DEFAULT_MIN_FREE_MEMORY = "1GiB"  # a GPU with less free memory is not chosen
 DEFAULT_MAX_UTILIZATION_PCT = 50.0  # a GPU busier than this (percent) is not chosen
@@ -45,18 +57,11 @@ def plain_env_id(env_id: str) -> str:
     return env_id.rpartition(":")[2]
 
 
-def resolve_hparams(algo: str, env_id: str, overrides: dict[str, Any]) -> dict[str, Any]:
-    """The hyper-parameters a run of ``algo`` on ``env_id`` will use: per-env defaults with ``overrides`` (``--set``).
+def is_code_ref(ref: str) -> bool:
+    """Whether ``ref`` reads as user code: ``module:Name`` or ``path/to/file.py:Name``."""
+    target, sep, name = ref.rpartition(":")
+    return bool(sep and target and name.isidentifier())
 
-    Part of the contract because the launcher must refuse, before anything starts, what the master would refuse.
-    The table lives in :mod:`worker.algorithms.hparams` (standard library only, like this module).
-
-    Raises:
-        ValueError, TypeError: an unknown key or a value of the wrong type, with the value seen.
-    """
-    from worker.algorithms.hparams import resolve
-
-    return dict(resolve(algo, env_id, overrides))
 
 # --- the results directory: names of the files in ``<results root>/<run id>/`` ---------------------------
 CONFIG_FILE = "config.json"  # resolved launcher configuration (no secret); launcher
@@ -72,10 +77,11 @@ TENSORBOARD_DIR = "tensorboard"
 CHECKPOINTS_DIR = "checkpoints"
 LOGS_DIR = "logs"  # master.log, group-<N>.log
 MODEL_DIR = "model"
-POLICY_FILE = "policy.npz"  # in MODEL_DIR: the final policy's weights by name
+POLICY_FILE = "policy.npz"  # in MODEL_DIR: the final model's weights by name and the learner's extras (x/...)
+EXTRA_PREFIX = "x/"  # the learner's extras beside the weights, in WEIGHTS frames and every policy*.npz
 BEST_POLICY_FILE = "best_policy.npz"  # in MODEL_DIR: the weights at the best rolling mean return
 BEST_FILE = "best.json"  # in MODEL_DIR: when and how good the best policy was
-ARCHITECTURE_FILE = "architecture.json"  # in MODEL_DIR: what rebuilds the model
+POLICY_DOC_FILE = "policy.json"  # in MODEL_DIR: how to act with policy.npz (numpy program, policy output, actions)
 KERAS_MODEL_FILE = "final_model.keras"  # in MODEL_DIR
 MASTER_LOG = "master.log"  # in LOGS_DIR
 
@@ -167,7 +173,10 @@ class RunSpec:
         env_id: a gymnasium env id (``CartPole-v1``, ``launcher/Snake-v0``, ...), or gymnasium's
             ``module:EnvId`` form naming a module to import first (``flappy_bird_gymnasium:FlappyBird-v0``).
         env_args: keyword arguments for ``gymnasium.make`` (``--env-arg k=v``, ``[up.env_args]``).
-        algo: ``ppo`` or ``a3c``.
+        algo: a built-in (``ppo``, ``a3c``) or the user's algorithm as ``module:Class`` (importable where the run's
+            processes run: the launcher puts a ``--algo file.py:Class`` file's directory on their path).
+        model: the user's model function as ``module:function`` (None: the algorithm's own model).
+        acting: how groups run the model: ``auto`` (numpy when every layer converts), ``numpy``, ``tensorflow``.
         seed: base seed; worker w of group g uses ``seed + 1000 * g + w``.
         max_steps: total env steps over all workers after which the run ends (None: no limit).
         until_return: end the run when the mean return over the last ``return_window`` episodes reaches
@@ -177,7 +186,7 @@ class RunSpec:
         master_port: port the master binds; 0 lets the OS choose (it is then written to ``master.addr``).
         connect_host: address the worker groups dial to reach the master.
         results_dir: the run's results directory as the master sees it.
-        checkpoint_every: updates between checkpoints.
+        checkpoint_every: updates between checkpoints (None: the algorithm's ``checkpoint_every``).
         hparams: algorithm hyper-parameter overrides (see ``worker.algorithms``).
         groups: one entry per worker group.
     """
@@ -185,6 +194,8 @@ class RunSpec:
     run_id: str
     env_id: str
     algo: str
+    model: str | None = None
+    acting: str = "auto"
     seed: int = 0
     max_steps: int | None = None
     until_return: float | None = None
@@ -193,7 +204,7 @@ class RunSpec:
     master_port: int = 0
     connect_host: str = "127.0.0.1"
     results_dir: str = "results"
-    checkpoint_every: int = 50
+    checkpoint_every: int | None = None
     hparams: dict[str, Any] = field(default_factory=dict)
     env_args: dict[str, Any] = field(default_factory=dict)
     groups: tuple[GroupAssignment, ...] = ()
@@ -206,15 +217,19 @@ class RunSpec:
 
     def __post_init__(self) -> None:
         problems = []
-        if self.algo not in ALGOS:
-            problems.append(f"algo must be one of {', '.join(ALGOS)}, got {self.algo!r}")
+        if self.algo not in ALGOS and not is_code_ref(self.algo):
+            problems.append(f"algo must be one of {', '.join(ALGOS)} or MODULE:Class, got {self.algo!r}")
+        if self.model is not None and not is_code_ref(self.model):
+            problems.append(f"model must be MODULE:function, got {self.model!r}")
+        if self.acting not in ACTING:
+            problems.append(f"acting must be one of {', '.join(ACTING)}, got {self.acting!r}")
         if self.max_steps is not None and self.max_steps < 1:
             problems.append(f"max_steps must be >= 1, got {self.max_steps}")
         if self.return_window < 1:
             problems.append(f"return_window must be >= 1, got {self.return_window}")
         if not 0 <= self.master_port <= 65535:
             problems.append(f"master_port must be in 0..65535, got {self.master_port}")
-        if self.checkpoint_every < 1:
+        if self.checkpoint_every is not None and self.checkpoint_every < 1:
             problems.append(f"checkpoint_every must be >= 1, got {self.checkpoint_every}")
         if problems:
             raise ValueError("; ".join(problems))

@@ -1,26 +1,24 @@
-"""A worker group: one process running K workers (env instances) with batched policy inference.
+"""A worker group: one process running K workers (env instances, one vector env) and the algorithm's
+:class:`worker.api.Actor`, which turns them into payloads for the master.
 
 Lifecycle (``GroupState``): CONNECTING -> PLAYING -> (disconnected: CONNECTING with backoff) ... ->
-STOPPED (the master said the run is over) | FAILED (auth refused, or the master stayed away past the
-reconnect deadline).
+STOPPED (the master said the run is over) | FAILED (auth refused, the master stayed away past the reconnect
+deadline, or the algorithm's code raised: then the group tells the master, which ends the run).
 
-Acting uses :class:`worker.models.NumpyPolicy` over all K envs at once (the K envs are one vector env);
-PPO groups never import TensorFlow. A3C groups import it once per group (not per worker) to compute
-gradients.
+How the model runs comes from the master's SETUP (:mod:`worker.acting`): numpy (no TensorFlow in the group) or
+TensorFlow. The launcher counts env steps and finished episodes itself (:class:`worker.segments.EpisodeCounter`
+around the envs) and sends them with every payload, whatever the actor does.
 
-Collection overlaps learning (the default; double-buffered, as Sample Factory's sampler and APPO): a
-group sends a segment tagged with its behaviour policy's version and log-probabilities and at once
-collects the next one with the weights it has, while the master learns. At the segment boundary it takes
-the weights that arrived meanwhile; with one segment already in flight it waits for that segment's reply
-before sending the next, so at most one segment is in flight and a segment is at most one round old when
-the master uses it (the master's learner corrects for that lag, and drops what is older than its bound).
-``sync=true`` (a hyper-parameter) restores the strictly synchronous round: send, wait for the new
-weights, then collect; the policy lag is then 0.
+Unless the schedule makes groups wait (``sync``), collection overlaps learning (double-buffered, as Sample
+Factory's sampler and APPO): a group sends a payload tagged with its behaviour weights' version and at once
+collects the next one with the weights it has, while the master learns. At the payload boundary it takes the
+weights that arrived meanwhile; with one payload already in flight it waits for that payload's reply before
+sending the next, so at most one is in flight and a payload is at most one round old when the master uses it.
 
-A master (or an impostor on the network) that sends anything malformed gets the same treatment as a
-bad peer gets from the master: a ``rejected.<reason>`` count in :attr:`WorkerGroup.rejected`, one log
-line, and a reconnect with backoff, never a traceback and never an exit from the reconnect loop (only a
-refused secret ends the group at once).
+A master (or an impostor on the network) that sends anything malformed gets the same treatment as a bad peer
+gets from the master: a ``rejected.<reason>`` count in :attr:`WorkerGroup.rejected`, one log line, and a
+reconnect with backoff, never a traceback and never an exit from the reconnect loop (only a refused secret
+ends the group at once).
 """
 
 from __future__ import annotations
@@ -33,23 +31,29 @@ import signal
 import socket
 import threading
 import time
-from typing import Any
+import traceback
+from typing import Any, Mapping
 
 import numpy as np
 
-from worker.algorithms import hparams as hparams_mod
-from worker.algorithms.rollout import Collector, Segment
+from worker.acting import ActingRuntime, Setup
+from worker.algorithms import build_model, describe, load_algorithm, resolve_hparams
+from worker.api import ActorContext, Reject, Spaces
+from worker.contract import (EXIT_OK, EXTRA_PREFIX, GROUP_AUTH_REFUSED_EXIT, GROUP_MASTER_GONE_EXIT,
+                             GROUP_USER_CODE_EXIT, RunSpec)
 from worker.envs import make_vector_env
-from worker.models import Architecture, NumpyPolicy, check_weights, env_kind
-from worker.normalize import NormStats, check_stats, moments_fields, normalization
 from worker.protocol import Connection, Message, MsgType, PeerClosed, ProtocolError, client_handshake
-from worker.contract import RunSpec
+from worker.protocol.frames import DTYPES as WIRE_DTYPES
+from worker.segments import EpisodeCounter
+from worker.validate import EP_LENGTHS, EP_RETURNS
 
 log = logging.getLogger("worker.group")
 
-EXIT_STOPPED = 0
-EXIT_MASTER_GONE = 3
-EXIT_AUTH = 4
+# The exit codes are the contract's (the supervisor decides on them): worker.contract.
+EXIT_STOPPED = EXIT_OK
+EXIT_MASTER_GONE = GROUP_MASTER_GONE_EXIT
+EXIT_AUTH = GROUP_AUTH_REFUSED_EXIT  # the master refused our secret: not restarted, no budget spent
+EXIT_USER_CODE = GROUP_USER_CODE_EXIT  # the algorithm's code raised in this group: not restarted
 
 
 class GroupState(str, enum.Enum):
@@ -61,6 +65,14 @@ class GroupState(str, enum.Enum):
 
 class MasterGone(Exception):
     pass
+
+
+class UserCodeFailed(Exception):
+    """The algorithm's actor (or the model function) raised in this group; ``error`` is what the master gets."""
+
+    def __init__(self, error: dict[str, str]) -> None:
+        super().__init__(f"{error['type']}: {error['message']}")
+        self.error = error
 
 
 class WorkerGroup:
@@ -83,27 +95,18 @@ class WorkerGroup:
         self.master_addr = master_addr
         self.reconnect_deadline_s = reconnect_deadline_s
         # Worker w of group g plays copy w of one vector env, seeded seed + 1000 g + w.
-        self.envs = make_vector_env(spec.env_id, self.assign.workers, **spec.env_args)
-        obs_space, act_space = self.envs.single_observation_space, self.envs.single_action_space
-        self.hp = hparams_mod.resolve(spec.algo, spec.env_id, spec.hparams, kind=env_kind(obs_space, act_space))
-        self.arch = Architecture.for_spaces(obs_space, act_space, self.hp)
-        self.policy = NumpyPolicy(self.arch)
-        self.norm_obs, self.norm_ret = normalization(self.arch, self.hp)
-        self.collector = Collector(self.envs, self.policy, gamma=float(self.hp["gamma"]),
-                                   lam=float(self.hp["gae_lambda"]), seed=spec.seed + 1000 * index,
-                                   normalize_obs=self.norm_obs, normalize_reward=self.norm_ret)
-        self.sync = bool(self.hp["sync"])
-        self.grads: Any = None
-        if spec.algo == "a3c":
-            from worker.gpu_setup import configure_tf_devices
-
-            configure_tf_devices(self.assign.memory_limit_bytes)
-            from worker.algorithms.a3c import A3CGradients
-
-            self.grads = A3CGradients(self.arch, self.hp, spec.seed)
+        self.envs = EpisodeCounter(make_vector_env(spec.env_id, self.assign.workers, **spec.env_args))
+        self.spaces = Spaces(self.envs.single_observation_space, self.envs.single_action_space)
+        self.algo_cls = load_algorithm(spec.algo)
+        self.hp = resolve_hparams(self.algo_cls, spec.algo, spec.env_id, self.spaces, spec.hparams)
+        self.algo = self.algo_cls(self.spaces, self.hp, num_workers=max(1, spec.total_workers))
+        self.runtime: ActingRuntime | None = None
+        self.actor: Any = None
+        self.groups_wait = False
         self.state = GroupState.CONNECTING
         self._stop = threading.Event()
         self.connects = 0
+        self._refusals = 0  # frames of the master refused in a row since the group last played: reconnects wait
         self.rejected: collections.Counter[str] = collections.Counter()  # what this group refused, by reason
 
     def request_stop(self) -> None:
@@ -152,39 +155,95 @@ class WorkerGroup:
             except (OSError, TimeoutError):
                 return
 
-    def _await(self, conn: Connection) -> Message:
-        """Wait for WEIGHTS or STOP, skipping heartbeats."""
+    def _await(self, conn: Connection, *types: MsgType) -> Message:
+        """Wait for one of ``types`` (default WEIGHTS) or STOP, skipping heartbeats."""
+        want = types or (MsgType.WEIGHTS,)
         while True:
-            # Weights land straight in the policy's spare arrays (no copy); other frames are consumed
+            # Weights land straight in the runtime's spare arrays (no copy); other frames are consumed
             # before the next recv, so one reusable buffer serves them.
             try:
                 msg = conn.recv(reuse_buffer=True, into=self._weights_target)
             except (ValueError, KeyError, TypeError, OverflowError) as exc:  # a decode path missed a case
                 raise ProtocolError("malformed", f"{type(exc).__name__}: {str(exc)[:120]}") from None
-            if msg.type in (MsgType.WEIGHTS, MsgType.STOP):
+            if msg.type in want or msg.type == MsgType.STOP:
                 return msg
             if msg.type != MsgType.HEARTBEAT:
                 raise ProtocolError("unexpected_type", f"master sent {msg.type.name}")
 
     def _weights_target(self, mtype: MsgType, fields: dict[str, Any]) -> dict[str, np.ndarray] | None:
-        return self.policy.spare() if mtype == MsgType.WEIGHTS else None
+        if mtype != MsgType.WEIGHTS or self.runtime is None or fields.get("unchanged"):
+            return None
+        return self.runtime.spare()
+
+    # ----------------------------------------------------------------------------------------- the actor
+    def _set_up(self, msg: Message) -> None:
+        """Act as the master's SETUP says: the first time, build the runtime and the actor (the user's code)."""
+        try:
+            setup = Setup.from_fields(msg.fields)
+        except ValueError as exc:
+            raise ProtocolError("malformed", str(exc)[:200]) from None
+        self.groups_wait = setup.groups_wait
+        if self.runtime is not None:
+            if setup.weights != self.runtime.setup.weights:
+                raise ProtocolError("bad_shape", "the master's SETUP names other weights than before")
+            return
+        self.runtime = self._user_code("building the model", lambda: ActingRuntime(setup, self._build_keras))
+        log.info("group %d acts with %s: %s", self.index, setup.acting, setup.reason)
+
+    def _build_keras(self) -> Any:
+        from worker.gpu_setup import configure_tf_devices
+
+        configure_tf_devices(self.assign.memory_limit_bytes)
+        return build_model(self.algo, self.spec.model, self.spec.seed)
+
+    def _make_actor(self) -> None:
+        assert self.runtime is not None
+        runtime = self.runtime
+        seed = self.spec.seed + 1000 * self.index
+        ctx = ActorContext(spaces=self.spaces, hparams=self.hp, envs=self.envs, num_envs=self.assign.workers,
+                           group=self.index, seed=seed, policy=runtime.policy, rng=np.random.default_rng(seed),
+                           algorithm=self.algo, _runtime=runtime)
+        self.actor = self._user_code("building the actor", lambda: self.algo.actor(ctx))
+
+    def _user_code(self, what: str, fn: Any) -> Any:
+        """Run the algorithm's code; what it raises ends this group (and, through the master, the run)."""
+        try:
+            return fn()
+        except (ProtocolError, OSError, PeerClosed):
+            raise
+        except Reject as exc:  # the actor refused what the master sent: counted, the group reconnects
+            raise UserCodeFailed({"type": "Reject", "message": str(exc), "where": what}) from exc
+        except Exception as exc:  # noqa: BLE001 - the user's code may raise anything
+            log.error("group %d: the algorithm's code raised while %s:\n%s", self.index, what,
+                      "".join(traceback.format_exception(exc)).rstrip())
+            raise UserCodeFailed({"type": type(exc).__name__, "message": str(exc)[:2000],
+                                  "where": f"{what}: {describe(exc)}"[:300]}) from exc
 
     def _take_weights(self, msg: Message) -> None:
-        # Shapes and names are checked before the swap; a frame that did not fit the spare arrays is copied.
-        # The normalisation statistics (``norm/*``) travel with the weights and are swapped in with them.
+        """Swap in a WEIGHTS frame: the weights' names and shapes are checked and the actor has seen the
+        learner's extras (``x/*``; it may refuse them, raising :class:`worker.api.Reject`) before anything of
+        the frame is taken. "unchanged" (the version the group has) takes nothing."""
         version = msg.fields.get("version")
         if not isinstance(version, int) or isinstance(version, bool):
             raise ProtocolError("malformed", "WEIGHTS without an integer version")
-        weights = {k: v for k, v in msg.arrays.items() if not k.startswith("norm/")}
+        assert self.runtime is not None
+        if msg.fields.get("unchanged"):
+            if version != self.runtime.version:
+                raise ProtocolError("malformed", f"'unchanged' version {version}, we have {self.runtime.version}")
+            return
+        weights = {k: v for k, v in msg.arrays.items() if not k.startswith(EXTRA_PREFIX)}
+        extras = {k[len(EXTRA_PREFIX):]: v for k, v in msg.arrays.items() if k.startswith(EXTRA_PREFIX)}
         try:
-            check_weights(self.arch, weights)
+            self.runtime.check(weights)
         except ValueError as exc:
             raise ProtocolError("bad_shape", f"the master's weights do not fit this model: {exc}") from None
-        problem = check_stats(msg.arrays, self.arch.obs_shape, obs=self.norm_obs, ret=self.norm_ret)
-        if problem is not None:
-            raise ProtocolError("bad_norm", f"the master's normalisation statistics: {problem}")
-        self.policy.swap_in(weights, version)
-        self.collector.norm = NormStats.from_arrays(msg.arrays)
+        try:
+            self._user_code("taking new weights", lambda: self.actor.on_weights(extras))
+        except UserCodeFailed as exc:
+            if isinstance(exc.__cause__, Reject):
+                raise ProtocolError(exc.__cause__.reason, exc.__cause__.detail) from None
+            raise
+        self.runtime.swap_in(weights, version)
 
     # --------------------------------------------------------------------------------------------- play
     def run(self) -> int:
@@ -208,9 +267,23 @@ class WorkerGroup:
                 if self._play(conn):
                     self.state = GroupState.STOPPED
                     return EXIT_STOPPED
+            except UserCodeFailed as exc:
+                self.state = GroupState.FAILED
+                try:  # the master ends the run and records what the user's code raised
+                    conn.send(MsgType.BYE, {"error": exc.error})
+                except (OSError, TimeoutError):
+                    pass
+                done.set()
+                conn.close()
+                return EXIT_USER_CODE
             except ProtocolError as exc:
                 self.rejected[exc.reason] += 1
-                log.warning("group %d: refused a frame from the master (%s); reconnecting", self.index, exc)
+                # Back off: a master that sends what this group cannot take will likely send it again.
+                self._refusals += 1
+                pause = min(0.2 * 2 ** (self._refusals - 1), 5.0)
+                log.warning("group %d: refused a frame from the master (%s); reconnecting in %.1f s", self.index,
+                            exc, pause)
+                self._stop.wait(pause)
             except (OSError, TimeoutError, PeerClosed) as exc:
                 log.warning("group %d: lost the master (%s); reconnecting", self.index, exc)
             finally:
@@ -227,32 +300,41 @@ class WorkerGroup:
     def _play(self, conn: Connection) -> bool:
         """Play until STOP (returns True) or until stopped locally (False). Network errors propagate.
 
-        Every segment sent gets exactly one WEIGHTS reply (or STOP); ``in_flight`` counts those owed.
+        Every payload sent gets exactly one WEIGHTS reply (or STOP); ``in_flight`` counts those owed.
         """
+        msg = self._await(conn, MsgType.SETUP)
+        if msg.type == MsgType.STOP:
+            return True
+        self._set_up(msg)
         msg = self._await(conn)
         if msg.type == MsgType.STOP:
             return True
+        if self.actor is None:
+            self._make_actor()
         self._take_weights(msg)
+        assert self.runtime is not None
         self.state = GroupState.PLAYING
+        self._refusals = 0
         log.info("group %d playing: %d workers on %s, weights v%d, %s", self.index, self.assign.workers,
-                 self.spec.env_id, self.policy.version, "synchronous rounds" if self.sync else "overlapped collection")
-        n_steps = int(self.hp["n_steps"])
+                 self.spec.env_id, self.runtime.version,
+                 "synchronous rounds" if self.groups_wait else "overlapped collection")
         in_flight = 0
         while not self._stop.is_set():
-            seg = self.collector.collect(n_steps)
-            fields, arrays = self._message(seg)  # A3C: the gradient at the behaviour weights, before a swap
-            # The segment boundary, the only place new weights are swapped in: with the previous segment
-            # still in flight (the double buffer is full) take its reply first, waiting if the learner is
-            # still at it, so the master never holds more than one segment of ours.
+            version = self.runtime.version
+            arrays = self._user_code("collecting a payload", self.actor.collect)
+            fields, payload = self._frame(arrays, version)
+            # The payload boundary, the only place new weights are swapped in: with the previous payload still in
+            # flight (the double buffer is full) take its reply first, waiting if the learner is still at it, so
+            # the master never holds more than one payload of ours.
             if in_flight:
                 msg = self._await(conn)
                 if msg.type == MsgType.STOP:
                     return self._stopped(msg)
                 self._take_weights(msg)
                 in_flight -= 1
-            conn.send(MsgType.GRADS if self.grads is not None else MsgType.TRAJ, fields, arrays)
+            conn.send(MsgType.TRAJ, fields, payload)
             in_flight += 1
-            if self.sync:
+            if self.groups_wait:
                 msg = self._await(conn)
                 if msg.type == MsgType.STOP:
                     return self._stopped(msg)
@@ -264,23 +346,22 @@ class WorkerGroup:
         log.info("group %d: the master ended the run (%.100s)", self.index, msg.fields.get("reason"))
         return True
 
-    def _message(self, seg: Segment) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-        """The TRAJ (PPO) or GRADS (A3C) message of one segment: fields and arrays."""
-        stats: dict[str, np.ndarray] = {"ep_returns": np.asarray(seg.episode_returns, np.float64),
-                                        "ep_lengths": np.asarray(seg.episode_lengths, np.int32)}
-        fields: dict[str, Any] = {"version": seg.version, "env_steps": seg.steps}
-        for prefix, moments in (("obs", seg.obs_moments), ("ret", seg.ret_moments)):
-            if moments is not None:  # what the master merges into its running statistics
-                f, a = moments_fields(prefix, moments)
-                fields.update(f)
-                stats.update(a)
-        if self.grads is None:
-            return fields, {**seg.flat(), **stats}
-        # On-policy gradient: computed at the weights that acted (``version``); the master counts its
-        # staleness when it applies it.
-        grads, losses = self.grads.compute(self.policy.w, seg.flat())
-        fields["losses"] = losses
-        return fields, {**{f"g/{k}": v for k, v in grads.items()}, **stats}
+    def _frame(self, arrays: Any, version: int) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+        """The payload frame: the actor's arrays, and the launcher's own count of env steps and episodes."""
+        if not isinstance(arrays, Mapping):
+            raise UserCodeFailed({"type": "TypeError", "message": f"collect() returned a {type(arrays).__name__}, "
+                                  "not a mapping of names to numpy arrays", "where": "collecting a payload"})
+        steps, returns, lengths = self.envs.take()
+        payload = {str(k): v for k, v in arrays.items()}
+        for name, value in payload.items():
+            if not isinstance(value, np.ndarray) or value.dtype not in WIRE_DTYPES.values():
+                raise UserCodeFailed({"type": "TypeError", "where": "collecting a payload",
+                                      "message": f"payload field {name!r} is {type(value).__name__} "
+                                                 f"{getattr(value, 'dtype', '')}: a payload holds numpy arrays of "
+                                                 "bool, int8-64, uint8 or float16-64"})
+        payload[EP_RETURNS] = np.asarray(returns, np.float64)
+        payload[EP_LENGTHS] = np.asarray(lengths, np.int32)
+        return {"version": version, "env_steps": steps}, payload
 
 
 def install_signal_handlers(group: WorkerGroup) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import queue
 import socket
 import threading
@@ -22,10 +23,25 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from worker.contract import LISTEN_FD_ENV
 from worker.protocol import (Connection, Message, MsgType, PeerClosed, ProtocolError, encode_parts,
                              server_handshake, server_welcome)
 
 log = logging.getLogger(__name__)
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """The master's listening socket: the one the process backend bound and passed down (``LISTEN_FD_ENV``, so
+    groups could dial at once), else a new one on ``(host, port)`` (IPv6 when ``host`` has a colon)."""
+    fd = os.environ.pop(LISTEN_FD_ENV, None)
+    if fd is not None:
+        return socket.socket(fileno=int(fd))
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    s = socket.socket(family, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind((host, port))
+    s.listen(128)
+    return s
 
 
 class Counters:
@@ -55,6 +71,7 @@ class GroupLink:
     connected_at: float = field(default_factory=time.monotonic)
     last_send: float = field(default_factory=time.monotonic)
     alive: bool = True
+    sent_version: int = -1  # the weights version last posted to this group (a reply repeats no weights it has)
 
     def post(self, parts: list[Any]) -> bool:
         """Queue a frame for sending; a peer too slow to drain 8 frames is dropped."""
@@ -86,8 +103,9 @@ class LinkServer:
         secret: the run secret.
         run_id: the run id (a group of another run is refused).
         on_join: called with a new link after authentication; returns the frames to send first
-            (WELCOME info dict, initial weights frame).
-        on_message: called from the link's reader thread with (link, message) for TRAJ/GRADS.
+            (WELCOME info dict; SETUP and initial weights frames).
+        on_message: called from the link's reader thread with (link, message) for a payload (TRAJ) or a BYE
+            that carries an error.
         on_leave: called when a group leaves: its link closes and no newer link of that group replaced it
             (a group that rejoined before its old link timed out has not left).
         counters: where rejections are counted (``rejected.<reason>``).
@@ -215,7 +233,17 @@ class LinkServer:
             if old is not None and old.alive:
                 log.info("group %d reconnected; closing its previous connection", link.group)
                 old.close()
-            server_welcome(conn, self.secret, info)
+            try:
+                server_welcome(conn, self.secret, info)
+            except Exception as exc:  # noqa: BLE001 - reset, closed, timed out (OSError) or a bug: one refusal
+                # The peer left between its HELLO and our WELCOME (a group dropping mid-handshake, or a hostile
+                # peer): counted like any other aborted handshake; ``finally`` undoes the join.
+                aborted = isinstance(exc, (PeerClosed, OSError))
+                self.counters.add("rejected.handshake_aborted" if aborted else "rejected.malformed")
+                log.warning("refused connection from %s: %s before its WELCOME (%s: %.120s)", conn.peer,
+                            "handshake_aborted" if aborted else "malformed", type(exc).__name__, exc)
+                reason = "handshake aborted before WELCOME"
+                return
             threading.Thread(target=self._writer, args=(link,), name=f"send-g{link.group}", daemon=True).start()
             for frame in first_frames:
                 link.post(frame)
@@ -261,8 +289,10 @@ class LinkServer:
             if msg.type == MsgType.HEARTBEAT:
                 continue
             if msg.type == MsgType.BYE:
+                if msg.fields.get("error"):  # the group's algorithm code raised: the master ends the run
+                    self.on_message(link, msg)
                 return "bye"
-            if msg.type in (MsgType.TRAJ, MsgType.GRADS):
+            if msg.type == MsgType.TRAJ:
                 self.on_message(link, msg)
                 continue
             self.counters.add("rejected.unexpected_type")

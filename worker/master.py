@@ -1,12 +1,15 @@
-"""The master (learner): a lifecycle that owns the TF2 model, serves worker groups and writes the results.
+"""The master (learner): a lifecycle that runs the algorithm's :class:`worker.api.Learner`, serves worker
+groups and writes the results.
 
 Lifecycle (``MasterState``): STARTING -> RUNNING -> STOPPING -> FINISHED | FAILED. ``run`` reads top to
-bottom: build the learner (restoring the newest intact checkpoint), listen, loop until a stop condition,
-and always end in ``_shutdown``: STOP to every group, a last checkpoint, the exported model, the curve,
-``summary.json``.
+bottom: load the algorithm and build the learner (restoring the newest intact checkpoint), decide how the
+groups act (the model converted to numpy, or TensorFlow), listen, loop until a stop condition, and always
+end in ``_shutdown``: STOP to every group, a last checkpoint, the exported model, the curve, ``summary.json``.
 
 The parts live beside it: :mod:`worker.links` (sockets and threads), :mod:`worker.validate` (what may be
-used), :mod:`worker.rounds` (when to update), :mod:`worker.reporting` (what is counted and written).
+used), :mod:`worker.schedules` (when to update), :mod:`worker.broadcast` (the weights frames the groups get),
+:mod:`worker.reporting` (what is counted and written).
+Nothing here branches on which algorithm runs.
 """
 
 from __future__ import annotations
@@ -22,21 +25,23 @@ import time
 from pathlib import Path
 from typing import Any
 
-from worker.algorithms import hparams as hparams_mod
-from worker.contract import LISTEN_FD_ENV, TF_THREADS_ENV, RunFiles, RunSpec, plain_env_id
+from worker.acting import decide_acting
+from worker.algorithms import UserCodeError, build_model, load_algorithm, resolve_hparams
+from worker.api import LearnerContext, Payload, Reject, Spaces
+from worker.broadcast import VersionFrames, first_non_finite, policy_arrays
+from worker.contract import EXIT_FAILED, EXIT_OK, TF_THREADS_ENV, RunFiles, RunSpec, plain_env_id
+from worker.ending import Outcome, error_doc
 from worker.envs import make_env
 from worker.inbox import ByteBoundedInbox
-from worker.links import Counters, GroupLink, LinkServer
-from worker.models import Architecture, check_weights, env_kind, expected_shapes, get_named_weights
-from worker.normalize import RunningNorm, normalization
-from worker.protocol import Message, MsgType, all_finite, encode_parts
-from worker.reporting import Tally, episodes_record, export_model, save_best
+from worker.links import Counters, GroupLink, LinkServer, listening_socket
+from worker.protocol import Message, MsgType, encode_parts
+from worker.reporting import (Tally, episodes_record, export_model, numeric, policy_doc, save_best,
+                              save_checkpoint_policy, write_policy_doc)
 from worker.results import MetricsLog, atomic_write_json, atomic_write_text, plot_learning_curve
-from worker.rounds import PpoRounds, a3c_is_stale, numeric_losses, ppo_batch
-from worker.validate import CLOSING_REASONS, check_message, check_norm, max_steps_per_message
+from worker.schedules import Scheduler
+from worker.validate import Refusal, arrays_of, check_payload, check_schema
 
 log = logging.getLogger("worker.master")
-
 
 def inbox_budget(spec: RunSpec) -> int:
     """Bytes the learner's inbox may hold: four of the largest frames, at most 1 GiB (but one frame always)."""
@@ -64,37 +69,27 @@ class Master:
         self.spec = spec
         self.secret = secret
         self.files = RunFiles(Path(spec.results_dir))
-        env = make_env(spec.env_id, seed=spec.seed, **spec.env_args)
-        self.hp = hparams_mod.resolve(spec.algo, spec.env_id, spec.hparams,
-                                      kind=env_kind(env.observation_space, env.action_space))
-        self.arch = Architecture.for_spaces(env.observation_space, env.action_space, self.hp)
-        env.close()
-        # Running statistics of what every group saw (observations, discounted returns): merged from each
-        # accepted message, checkpointed, shipped with the weights (worker/normalize.py).
-        self.normalize = normalization(self.arch, self.hp)
-        self.norm = RunningNorm(self.arch.obs_shape if self.normalize[0] else None, self.normalize[1])
-        self.shapes = expected_shapes(self.arch)
         self.state = MasterState.STARTING
         self.counters_net = Counters()
         self.inbox: ByteBoundedInbox[tuple[GroupLink, Message]] = ByteBoundedInbox(inbox_budget(spec))
         self.stop_reason: str | None = None
         self.outcome: str | None = None
+        self.error: dict[str, str] | None = None  # what ended the run, for summary.json
         self._stop = threading.Event()
         self._listen_sock = listen_sock
         self.tally = Tally(spec)
-        # PPO's round barrier (A3C has no rounds and no such hyper-parameters; its rounds stay empty).
-        self.rounds = PpoRounds(max_queue=int(self.hp.get("max_queue", 1)),
-                                update_wait_s=float(self.hp.get("update_wait_s", 0.0)),
-                                max_staleness=int(self.hp["max_staleness"]))
-        self._weights_cache: tuple[int, list[Any]] | None = None
+        self.frames = VersionFrames()
         # Set once the learner is built and restored: only then may shutdown save a checkpoint or export.
         self._learner_ready = False
+        self._diverged = False  # the learner produced non-finite weights: nothing of them is saved
+        self.acting: dict[str, Any] = {"path": None, "reason": "not decided yet"}
 
     # ---------------------------------------------------------------------------------------------- run
     def run(self) -> int:
         self.files.root.mkdir(parents=True, exist_ok=True)
         self.metrics = MetricsLog(self.files.metrics)
         try:
+            self._load_algorithm()
             self._build_learner()
             self._serve()
             self.state = MasterState.RUNNING
@@ -102,15 +97,18 @@ class Master:
             next_report = 0.0
             while not self._stop.is_set():
                 self._drain_inbox()
-                if self.spec.algo == "ppo":
-                    self._maybe_ppo_update()
+                self._maybe_update()
                 self._check_done()
                 if time.monotonic() >= next_report:
                     self._report()
                     next_report = time.monotonic() + 1.0
-            return self._shutdown(failed=False)
-        except Exception:
+            return self._shutdown(failed=self.error is not None)
+        except Exception as exc:
             log.exception("master failed")
+            if self.error is None:
+                where = "the algorithm" if isinstance(exc, UserCodeError) else self._phase
+                self.error = {"type": "UserCodeError", "message": str(exc)[:2000], "where": where} \
+                    if isinstance(exc, UserCodeError) else error_doc(exc, where)
             self.stop_reason = self.stop_reason or "error"
             return self._shutdown(failed=True)
 
@@ -119,51 +117,77 @@ class Master:
             self.stop_reason = reason
             self._stop.set()
 
+    _phase = "the master's start"
+
     # ------------------------------------------------------------------------------------------ starting
+    def _load_algorithm(self) -> None:
+        """The algorithm (built-in or the user's), its hyper-parameters for this env, schedule and schema."""
+        spec = self.spec
+        self._phase = "loading the algorithm"
+        env = make_env(spec.env_id, seed=spec.seed, **spec.env_args)
+        self.spaces = Spaces(env.observation_space, env.action_space)
+        env.close()
+        self.algo_cls = load_algorithm(spec.algo)
+        self.hp = resolve_hparams(self.algo_cls, spec.algo, spec.env_id, self.spaces, spec.hparams)
+        self.algo = self.algo_cls(self.spaces, self.hp, num_workers=max(1, spec.total_workers))
+        self.schedule = self.algo.schedule()
+        self.scheduler = Scheduler(self.schedule)
+        self.checkpoint_every = spec.checkpoint_every or int(self.algo.checkpoint_every)
+
     def _build_learner(self) -> None:
         import tensorflow as tf
+
+        from worker.checkpoint import Checkpointer
+        from worker.keras_convert import convert, get_weights, weight_names
 
         threads = int(os.environ.get(TF_THREADS_ENV, "0"))
         if threads:
             tf.config.threading.set_intra_op_parallelism_threads(threads)
             tf.config.threading.set_inter_op_parallelism_threads(1)
-        from worker.checkpoint import Checkpointer
-
-        if self.spec.algo == "ppo":
-            from worker.algorithms.ppo import PPOLearner
-
-            self.learner: Any = PPOLearner(self.arch, self.hp, self.spec.seed)
-        else:
-            from worker.algorithms.a3c import A3CLearner
-
-            self.learner = A3CLearner(self.arch, self.hp, self.spec.seed)
-        self.ckpt = Checkpointer(self.files.checkpoints, self.learner.model, self.learner.optimizer,
-                                 window=self.spec.return_window, norm=self.norm)
+        spec = self.spec
+        self._phase = "building the model"
+        self.model = build_model(self.algo, spec.model, spec.seed)
+        self.names = weight_names(self.model)
+        variables = dict(zip(self.names, self.model.weights))
+        trainable = tuple(n for n, v in variables.items() if v.trainable)
+        self._phase = "building the learner"
+        ctx = LearnerContext(spaces=self.spaces, hparams=self.hp, model=self.model, variables=variables,
+                             trainable=trainable, seed=spec.seed, num_workers=spec.total_workers,
+                             algorithm=self.algo, _progress=self._progress)
+        self.learner = self.algo.learner(ctx)
+        shapes = {n: tuple(int(d) for d in v.shape) for n, v in variables.items()}
+        self.schema = dict(self.algo.payload(shapes, trainable))
+        check_schema(self.schema)
+        self._phase = "restoring the newest checkpoint"
+        self.ckpt = Checkpointer(self.files.checkpoints, self.learner.checkpoint(), window=spec.return_window)
         restored = self.ckpt.restore_latest()
         if restored:
             c, recent, path = restored
+            self.learner.restored()
             self.tally.c = c
             self.tally.recent.extend(recent)
             self.tally.last_ckpt = (c.updates, time.monotonic(), path)
             log.info("resumed from %s: env_steps=%d updates=%d episodes=%d", path, c.env_steps, c.updates, c.episodes)
-        check_weights(self.arch, get_named_weights(self.learner.model))
+        self._phase = "deciding how the groups act"
+        self._decide_acting(convert(self.model, self.spaces.observation, seed=spec.seed), shapes, trainable)
+        self._check_finite(get_weights(self.model))
+        write_policy_doc(self.files, self._policy_doc())  # `launcher eval` of a run that never ends needs it
         from worker.results import TensorBoardWriter
 
         self.tb = TensorBoardWriter(self.files.tensorboard)
         self._learner_ready = True
+        self._phase = "running"
+
+    def _decide_acting(self, conversion: Any, shapes: dict[str, tuple[int, ...]], trainable: tuple[str, ...]) -> None:
+        self.program, self.acting, setup = decide_acting(conversion, self.spec.acting, shapes, trainable,
+                                                         groups_wait=self.schedule.groups_wait)
+        log.info("groups act with %s: %s", self.acting["path"], self.acting["reason"])
+        self.setup_frame = encode_parts(MsgType.SETUP, setup)
 
     def _listen(self) -> socket.socket:
         if self._listen_sock is not None:
             return self._listen_sock
-        fd = os.environ.pop(LISTEN_FD_ENV, None)
-        if fd is not None:  # the process backend bound it for us, so groups could dial at once
-            return socket.socket(fileno=int(fd))
-        family = socket.AF_INET6 if ":" in self.spec.master_host else socket.AF_INET
-        s = socket.socket(family, socket.SOCK_STREAM)
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind((self.spec.master_host, self.spec.master_port))
-        s.listen(128)
-        return s
+        return listening_socket(self.spec.master_host, self.spec.master_port)
 
     def _serve(self) -> None:
         spec = self.spec
@@ -176,10 +200,11 @@ class Master:
             handshake_timeout_s=spec.handshake_timeout_s, max_connections=spec.max_connections,
             counters=self.counters_net, on_join=self._on_join, on_message=self._on_message, on_leave=self._on_leave)
         self.server.start()
-        log.info("master of run %s listening on %s:%d (%s on %s, %d workers in %d groups)", spec.run_id,
-                 host, port, spec.algo, spec.env_id, spec.total_workers, len(spec.groups))
+        log.info("master of run %s listening on %s:%d (%s on %s, %d workers in %d groups, %s schedule)", spec.run_id,
+                 host, port, spec.algo, spec.env_id, spec.total_workers, len(spec.groups), self.schedule.kind)
         self.metrics.write({"type": "event", "t": time.time(), "event": "master_started",
-                            "env_steps": self.tally.c.env_steps, "updates": self.tally.c.updates})
+                            "env_steps": self.tally.c.env_steps, "updates": self.tally.c.updates,
+                            "acting": self.acting["path"]})
 
     # ---------------------------------------------------------------------- network callbacks (link threads)
     def _on_join(self, link: GroupLink) -> tuple[dict[str, Any], list[Any]]:
@@ -195,7 +220,9 @@ class Master:
         self.metrics.write({"type": "event", "t": time.time(), "event": "group_joined", "group": link.group,
                             "workers": link.workers, "connects": connects})
         info = {"run_id": self.spec.run_id, "algo": self.spec.algo, "env_id": self.spec.env_id}
-        return info, [self.weights_frame()]
+        version, frame = self.tally.c.version, self.weights_frame()
+        link.sent_version = version
+        return info, [self.setup_frame, frame]
 
     def _on_message(self, link: GroupLink, msg: Message) -> None:
         # Waits while the inbox's byte budget is spent: the sender's TCP stalls, not the master's memory.
@@ -222,32 +249,46 @@ class Master:
             pass
 
     def _handle(self, link: GroupLink, msg: Message) -> None:
-        reason = check_message(msg, algo=self.spec.algo, arch=self.arch, max_steps=self._max_steps(link),
-                               normalize=self.normalize)
-        if reason is not None:
-            self.counters_net.add(f"rejected.{reason}")
-            detail = check_norm(msg, self.arch, self.normalize) if reason == "bad_norm" else None
-            log.warning("rejected a %s from group %d: %s%s", msg.type.name, link.group, reason,
-                        f" ({detail})" if detail else "")
-            if reason in CLOSING_REASONS:
+        if msg.type == MsgType.BYE:
+            self._group_failed(link, msg.fields.get("error"))
+            return
+        refusal = check_payload(msg, schema=self.schema, max_steps=self._max_steps(link))
+        payload = None
+        if refusal is None:
+            payload = Payload(arrays_of(msg), group=link.group, version=int(msg.fields["version"]),
+                              env_steps=int(msg.fields["env_steps"]))
+            try:
+                self.learner.check(payload)
+            except Reject as exc:
+                refusal = Refusal(exc.reason, exc.detail or exc.reason)
+        if refusal is not None or payload is None:
+            assert refusal is not None
+            self.counters_net.add(refusal.counter)
+            log.warning("refused a payload from group %d: %s (%s)", link.group, refusal.reason, refusal.detail)
+            if refusal.closes:
                 link.close()
             else:
-                link.post(self.weights_frame())  # e.g. a NaN: drop it, let the group go on
+                self.reply(link)  # e.g. a field off its schema: drop it, let the group go on
             return
         self._record_experience(link, msg)
-        # Raw-observation and return statistics are good whatever the policy's age: merged even if the
-        # segment or gradient itself turns out too stale to use.
-        self.norm.add(msg.fields, msg.arrays)
-        if msg.type == MsgType.GRADS:
-            self._apply_grads(link, msg)
-        else:
-            self.rounds.add(link.group, link, msg.fields, msg.arrays)
+        self.learner.observe(payload)
+        if self.scheduler.offer(link, payload):
+            self.reply(link)
+
+    def _group_failed(self, link: GroupLink, error: Any) -> None:
+        """A group's copy of the algorithm raised: the run ends, failed, with what it said."""
+        doc = error if isinstance(error, dict) else {}
+        self.error = {"type": str(doc.get("type", "Error"))[:200], "message": str(doc.get("message", ""))[:2000],
+                      "where": f"group {link.group}: {str(doc.get('where', 'the actor'))[:300]}"}
+        log.error("group %d stopped on an error in the algorithm's code: %s: %s (%s); ending the run", link.group,
+                  self.error["type"], self.error["message"], self.error["where"])
+        self.request_stop("group_error")
 
     def _max_steps(self, link: GroupLink) -> int:
-        """What one message of this group may hold: n_steps × its workers in the spec (as it claimed, if
-        the spec lists no groups: the HELLO's claim was checked against the spec at join otherwise)."""
+        """What one payload of this group may hold (rows and env steps) for its workers in the spec (as it
+        claimed, if the spec lists no groups: the HELLO's claim was checked against the spec at join otherwise)."""
         workers = next((g.workers for g in self.spec.groups if g.index == link.group), link.workers)
-        return max_steps_per_message(int(self.hp["n_steps"]), workers)
+        return max(1, int(self.algo.max_rows(workers)))
 
     def _record_experience(self, link: GroupLink, msg: Message) -> None:
         steps = int(msg.fields["env_steps"])
@@ -257,66 +298,67 @@ class Master:
             self.metrics.write(episodes_record(link.group, self.tally.c.env_steps, steps, rets,
                                                msg.arrays["ep_lengths"].astype(int).tolist()))
 
-    def _apply_grads(self, link: GroupLink, msg: Message) -> None:
-        """A3C: apply a group's gradient at once (unless stale) and answer that group alone."""
-        stale, staleness = a3c_is_stale(self.tally.c.version, int(msg.fields["version"]), int(self.hp["max_staleness"]))
-        self.tally.lagged([] if stale else [staleness], int(stale))
-        if stale:
-            self.counters_net.add("dropped.stale")
-        else:
-            lr = self.learner.set_progress(self._progress())
-            norm = self.learner.apply({k[2:]: v for k, v in msg.arrays.items() if k.startswith("g/")})
-            self.tally.losses = {**numeric_losses(msg.fields.get("losses", {})), "grad_norm": norm, "lr": lr}
-            self._after_update()
-        link.post(self.weights_frame())
-
-    def _maybe_ppo_update(self) -> None:
-        """PPO: when the round is complete, one update on every fresh segment, then weights to every waiter."""
-        # Normally every connected group has sent its segment; a group that is connected but silent
-        # (stuck, or just restarted and still warming up) must not stall the others for long.
+    def _maybe_update(self) -> None:
+        """Run the updates the schedule says are due, then answer the groups that wait for them."""
+        sched = self.scheduler
         live = {link.group for link in self.server.live_links()}
-        waiting = {g for g, (link, _, _) in self.rounds.pending.items() if link.alive}
-        if not self.rounds.due(live, waiting):
-            return
-        links, parts, stale = self.rounds.take(self.tally.c.version)
-        if stale:
-            self.counters_net.add("dropped.stale", stale)
-        self.tally.lagged(self.rounds.lags, stale)
-        if parts:
-            lr = self.learner.set_progress(self._progress())
-            self.tally.losses = {**self.learner.update(ppo_batch(parts, continuous=self.arch.continuous)), "lr": lr}
-            self._after_update()
-        frame = self.weights_frame()
-        for link in links:
-            link.post(frame)
+        while sched.due(live, sched.waiting_groups(lambda link: link.alive)):
+            taken = sched.take(self.tally.c.version)
+            if taken.stale:
+                self.counters_net.add("dropped.stale", taken.stale)
+            self.tally.lagged(taken.lags, taken.stale)
+            if taken.payloads:
+                self._phase = "the learner's update"
+                scalars = self.learner.update(taken.payloads)
+                self._phase = "running"
+                self.tally.losses = numeric(scalars)
+                self._after_update()
+            for link in taken.links:
+                self.reply(link)
+            if sched.barrier:
+                break  # one round per pass: new payloads are drained first
 
     def _progress(self) -> float:
         """How far the run is toward --max-steps (0 without a limit): the learning-rate schedule's clock."""
-        return self.tally.c.env_steps / self.spec.max_steps if self.spec.max_steps else 0.0
+        return min(1.0, self.tally.c.env_steps / self.spec.max_steps) if self.spec.max_steps else 0.0
 
     def _after_update(self) -> None:
         self.tally.updated()
-        if self.tally.c.updates % self.spec.checkpoint_every == 0:
+        self.weights_frame()  # checks the new weights are finite before anything saves them
+        if self.tally.c.updates % self.checkpoint_every == 0:
             self._checkpoint()
 
+    def reply(self, link: GroupLink) -> None:
+        """Answer a group: the current weights, or "unchanged" when it already has this version."""
+        version = self.tally.c.version
+        if link.sent_version == version:
+            link.post(self.unchanged_frame())
+        else:
+            link.sent_version = version
+            link.post(self.weights_frame())
+
     def weights_frame(self) -> list[Any]:
-        """The current weights encoded once per version and shared by every send."""
-        cache, version = self._weights_cache, self.tally.c.version
-        if cache is None or cache[0] != version:
-            weights = get_named_weights(self.learner.model)
-            # Checked once here, at the source, rather than by every group on every broadcast.
-            if not all_finite(weights):
-                raise FloatingPointError(f"training diverged: non-finite weights after update {self.tally.c.updates}; "
-                                         f"lower the learning rate (--set lr=...) and resume from the last checkpoint")
-            # The normalisation statistics as of this version travel with it: a group swaps both in at once.
-            frame = encode_parts(MsgType.WEIGHTS, {"version": version}, {**weights, **self.norm.stats().arrays()})
-            _ = frame.digest  # hashed once here for every group's MAC, not once per group in its writer thread
-            cache = (version, frame)
-            self._weights_cache = cache
-        return cache[1]
+        """The current weights and the learner's extras, encoded once per version and shared by every send."""
+        return self.frames.weights(self.tally.c.version, self._policy_arrays, self._check_finite)
+
+    def unchanged_frame(self) -> list[Any]:
+        return self.frames.unchanged(self.tally.c.version)
+
+    def _check_finite(self, arrays: dict[str, Any]) -> None:
+        # Checked once here, at the source, rather than by every group on every broadcast.
+        bad = first_non_finite(arrays)
+        if bad is not None:
+            self._diverged = True
+            raise FloatingPointError(f"the learner produced non-finite weights ({bad!r}) after update "
+                                     f"{self.tally.c.updates}; the last good checkpoint is kept: lower the learning "
+                                     "rate (a --set value; `--set help` lists them) and resume from it")
 
     def _checkpoint(self) -> None:
+        before, self._phase = self._phase, "writing a checkpoint"  # what summary.json names if this raises
+        self.learner.checkpoint()  # brings the learner's own variables up to date
         path = self.ckpt.save(self.tally.c, list(self.tally.recent))
+        save_checkpoint_policy(self.files, self.tally.c.updates, self._policy_arrays(), self.ckpt.manager.checkpoints)
+        self._phase = before
         self.tally.last_ckpt = (self.tally.c.updates, time.monotonic(), path)
         log.debug("checkpoint %s", path)
 
@@ -325,20 +367,24 @@ class Master:
         mean = tally.mean_return()
         if spec.until_return is not None and mean is not None and len(tally.recent) >= spec.return_window \
                 and mean >= spec.until_return:
-            self.request_stop("target_reached")
+            self.request_stop(Outcome.TARGET_REACHED.value)
         elif spec.max_steps is not None and tally.c.env_steps >= spec.max_steps:
-            self.request_stop("max_steps")
+            self.request_stop(Outcome.MAX_STEPS.value)
 
     # ------------------------------------------------------------------------------------------ reporting
     def status(self) -> dict[str, Any]:
-        return self.tally.status(state=self.state.value, queue_depth=len(self.rounds) + self.inbox.qsize(),
-                                 network=self.counters_net.snapshot(), stop_reason=self.stop_reason)
+        return self.tally.status(state=self.state.value, queue_depth=len(getattr(self, "scheduler", ())) +
+                                 self.inbox.qsize(), network=self.counters_net.snapshot(),
+                                 stop_reason=self.stop_reason, acting=self.acting, error=self.error)
+
+    def _policy_arrays(self) -> dict[str, Any]:
+        return policy_arrays(self.model, self.learner)
 
     def _report(self) -> None:
         best = self.tally.new_best()
-        if best is not None and hasattr(self, "learner"):
+        if best is not None and self._learner_ready and not self._diverged:
             c = self.tally.c
-            save_best(self.files, {**get_named_weights(self.learner.model), **self.norm.stats().arrays()},
+            save_best(self.files, self._policy_arrays(),
                       {"mean_return": best, "episodes_in_window": len(self.tally.recent), "env_steps": c.env_steps,
                        "updates": c.updates, "version": c.version})
         st = self.status()
@@ -354,16 +400,17 @@ class Master:
         if server is not None:
             server.broadcast_stop(reason)
         try:
-            # A learner that failed to build or restore holds fresh weights and zero counters: saving it
-            # would push the run's real checkpoints out (max_to_keep) and a resume would start over.
-            if self._learner_ready:
+            # A learner that failed to build or restore holds fresh weights and zero counters: saving it would
+            # push the run's real checkpoints out (max_to_keep) and a resume would start over. Non-finite
+            # weights are never saved: the last good checkpoint stays the newest.
+            if self._learner_ready and not self._diverged:
                 self._checkpoint()
-                arch = {k: (list(v) if isinstance(v, tuple) else v) for k, v in self.arch.__dict__.items()}
-                export_model(self.files, self.learner.model, get_named_weights(self.learner.model), arch, self.spec,
-                             self.tally.c.version, norm=self.norm.stats())
+                export_model(self.files, self.learner.export_model(), self._policy_arrays(), self._policy_doc())
                 self._report()
-        except Exception:
+        except Exception as exc:
             log.exception("final checkpoint/export failed")
+            if self.error is None:
+                self.error = error_doc(exc, "the final checkpoint and export")
             failed = True
         if server is not None:
             server.close()
@@ -374,9 +421,10 @@ class Master:
                                 target=spec.until_return)
         except Exception:
             log.exception("plotting the learning curve failed")
-        self.outcome = "failed" if failed else reason
+        self.outcome = (Outcome.FAILED if failed else Outcome.parse(reason) or Outcome.STOPPED).value
         atomic_write_json(self.files.summary, tally.summary(outcome=self.outcome, reason=reason, root=self.files.root,
-                                                            network=self.counters_net.snapshot()))
+                                                            network=self.counters_net.snapshot(), error=self.error,
+                                                            acting=self.acting))
         self.state = MasterState.FAILED if failed else MasterState.FINISHED
         atomic_write_json(self.files.status, {**self.status(), "state": self.state.value})
         self.metrics.write({"type": "event", "t": time.time(), "event": "master_stopped", "outcome": self.outcome})
@@ -384,13 +432,20 @@ class Master:
         mean = tally.mean_return()
         log.info("run %s %s: mean return %s over %d episodes, %d env steps, %d updates", spec.run_id, self.outcome,
                  None if mean is None else round(mean, 2), len(tally.recent), tally.c.env_steps, tally.c.updates)
-        return 1 if failed else 0
+        if self.error:
+            log.error("the run failed: %s: %s (%s)", self.error["type"], self.error["message"], self.error["where"])
+        return EXIT_FAILED if failed else EXIT_OK
+
+    def _policy_doc(self) -> dict[str, Any]:
+        return policy_doc(env_id=self.spec.env_id, algo=self.spec.algo, version=self.tally.c.version,
+                          policy_output=int(self.algo.policy_output), spaces=self.spaces, names=self.names,
+                          program=self.program, acting=self.acting)
 
 
 def install_signal_handlers(master: Master) -> None:
     def handler(signum: int, _frame: Any) -> None:
         log.info("received %s; stopping", signal.Signals(signum).name)
-        master.request_stop("interrupted")
+        master.request_stop(Outcome.INTERRUPTED.value)
 
     signal.signal(signal.SIGTERM, handler)
     signal.signal(signal.SIGINT, handler)

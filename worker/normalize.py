@@ -145,10 +145,10 @@ def check_stats(arrays: Mapping[str, np.ndarray], obs_shape: tuple[int, ...], *,
     return None
 
 
-def normalization(arch: Any, hp: Mapping[str, Any]) -> tuple[bool, bool]:
+def normalization(obs_shape: tuple[int, ...], hp: Mapping[str, Any]) -> tuple[bool, bool]:
     """(observations normalised, rewards scaled) for a run: the ``normalize_obs`` and ``normalize_reward``
-    hyper-parameters, except that image observations (the conv torsos) are never normalised."""
-    return bool(hp.get("normalize_obs", False)) and arch.kind == "mlp", bool(hp.get("normalize_reward", False))
+    hyper-parameters, except that image observations (rank 3: the conv torsos scale them) are never normalised."""
+    return bool(hp.get("normalize_obs", False)) and len(obs_shape) != 3, bool(hp.get("normalize_reward", False))
 
 
 class ReturnTracker:
@@ -167,39 +167,26 @@ class ReturnTracker:
         return out
 
 
-def moments_fields(prefix: str, m: Moments) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-    """A segment's moments as message fields (``<prefix>_count``) and arrays (``<prefix>_mean``, ``<prefix>_m2``)."""
-    return ({f"{prefix}_count": int(m.count)},
-            {f"{prefix}_mean": np.asarray(m.mean, np.float64), f"{prefix}_m2": np.asarray(m.m2, np.float64)})
+def moments_arrays(prefix: str, m: Moments) -> dict[str, np.ndarray]:
+    """A segment's moments as payload arrays: ``<prefix>_count`` (shape (1,)), ``<prefix>_mean``, ``<prefix>_m2``
+    (float64)."""
+    return {f"{prefix}_count": np.full(RET_SHAPE, m.count, np.float64), f"{prefix}_mean": np.asarray(m.mean, np.float64),
+            f"{prefix}_m2": np.asarray(m.m2, np.float64)}
 
 
-def moments_from(prefix: str, fields: Mapping[str, Any], arrays: Mapping[str, np.ndarray]) -> Moments:
-    """The inverse of :func:`moments_fields` (for a message that :mod:`worker.validate` accepted)."""
-    return Moments(float(fields[f"{prefix}_count"]), np.asarray(arrays[f"{prefix}_mean"], np.float64),
+def moments_from(prefix: str, arrays: Mapping[str, np.ndarray]) -> Moments:
+    """The inverse of :func:`moments_arrays` (for a payload whose schema and :func:`check_moments` passed)."""
+    return Moments(float(arrays[f"{prefix}_count"][0]), np.asarray(arrays[f"{prefix}_mean"], np.float64),
                    np.asarray(arrays[f"{prefix}_m2"], np.float64))
 
 
-def check_moments(prefix: str, fields: Mapping[str, Any], arrays: Mapping[str, np.ndarray],
-                  shape: tuple[int, ...], max_count: int) -> str | None:
-    """Why a peer's ``<prefix>`` moments are unusable (a sentence), or None.
-
-    The count is an integer in [0, ``max_count``] (no more than the env steps of the segment); mean and
-    M2 are float64 of ``shape``; M2 is not negative. Non-finite values are left to the message's finite
-    check (``non_finite``: the message is dropped, the group goes on), as for every other array.
-    """
-    count = fields.get(f"{prefix}_count")
-    if not isinstance(count, int) or isinstance(count, bool):
-        return f"{prefix}_count is not an integer"
-    if not 0 <= count <= max_count:
-        return f"{prefix}_count {count} is outside [0, {max_count}] (the segment's env steps)"
-    for name in (f"{prefix}_mean", f"{prefix}_m2"):
-        a = arrays.get(name)
-        if a is None:
-            return f"{name} is missing"
-        if tuple(a.shape) != tuple(shape):
-            return f"{name} has shape {tuple(a.shape)}, expected {tuple(shape)}"
-        if a.dtype != np.float64:
-            return f"{name} has dtype {a.dtype}, expected float64"
+def check_moments(prefix: str, arrays: Mapping[str, np.ndarray], max_count: int) -> str | None:
+    """Why a peer's ``<prefix>`` moments are unusable (a sentence), or None. Shapes and dtypes are the payload
+    schema's to check; here: the count is a whole number in [0, ``max_count``] (no more than the payload's env
+    steps: the master weighs a group's statistics by it) and M2 is not negative."""
+    count = float(arrays[f"{prefix}_count"][0])
+    if count != int(count) or not 0 <= count <= max_count:
+        return f"{prefix}_count {count:g} is not a whole number in [0, {max_count}] (the payload's env steps)"
     if (arrays[f"{prefix}_m2"] < 0).any():
         return f"{prefix}_m2 is negative"
     return None
@@ -222,12 +209,12 @@ class RunningNorm:
     def enabled(self) -> bool:
         return self.obs is not None or self.ret is not None
 
-    def add(self, fields: Mapping[str, Any], arrays: Mapping[str, np.ndarray]) -> None:
-        """Merge one accepted segment's moments."""
+    def add(self, arrays: Mapping[str, np.ndarray]) -> None:
+        """Merge one accepted payload's moments."""
         if self.obs is not None:
-            self.obs = self.obs.merge(moments_from("obs", fields, arrays))
+            self.obs = self.obs.merge(moments_from("obs", arrays))
         if self.ret is not None:
-            self.ret = self.ret.merge(moments_from("ret", fields, arrays))
+            self.ret = self.ret.merge(moments_from("ret", arrays))
 
     def stats(self) -> NormStats:
         return NormStats(None if self.obs is None else self.obs.mean.copy(),

@@ -13,14 +13,13 @@ import secrets
 import threading
 import time
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
 from worker.checkpoint import Counters as CkptCounters
-from worker.contract import (ARCHITECTURE_FILE, BEST_FILE, BEST_POLICY_FILE, KERAS_MODEL_FILE, POLICY_FILE, RunFiles,
-                             RunSpec)
-from worker.normalize import CLIP_OBS, EPS, NormStats
+from worker.contract import (BEST_FILE, BEST_POLICY_FILE, EXTRA_PREFIX, KERAS_MODEL_FILE, POLICY_DOC_FILE, POLICY_FILE,
+                             RunFiles, RunSpec)
 from worker.results import atomic_write_json
 
 
@@ -139,7 +138,8 @@ class Tally:
         return better
 
     # -- documents
-    def status(self, *, state: str, queue_depth: int, network: dict[str, int], stop_reason: str | None) -> dict[str, Any]:
+    def status(self, *, state: str, queue_depth: int, network: dict[str, int], stop_reason: str | None,
+               acting: Mapping[str, Any] | None = None, error: Mapping[str, str] | None = None) -> dict[str, Any]:
         """``status.json`` (schema ``launcher.status/v1``)."""
         spec = self.spec
         with self._lock:
@@ -164,6 +164,7 @@ class Tally:
             "losses": self.losses, "network": network, "groups": groups,
             "target": {"until_return": spec.until_return, "max_steps": spec.max_steps},
             "stop_reason": stop_reason, "pid": os.getpid(),
+            "acting": dict(acting) if acting else None, "error": dict(error) if error else None,
         }
 
     def progress_record(self, st: Mapping[str, Any]) -> dict[str, Any]:
@@ -183,7 +184,8 @@ class Tally:
                 **{f"loss/{k}": v for k, v in self.losses.items()},
                 **{f"network/{k}": v for k, v in st["network"].items()}}
 
-    def summary(self, *, outcome: str, reason: str, root: Path, network: dict[str, int]) -> dict[str, Any]:
+    def summary(self, *, outcome: str, reason: str, root: Path, network: dict[str, int],
+                error: Mapping[str, str] | None = None, acting: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """``summary.json`` (schema ``launcher.summary/v1``), written once at the end."""
         spec = self.spec
         return {
@@ -195,7 +197,27 @@ class Tally:
             # Relative to the results directory: the same file seen from the host or a container.
             "checkpoint": os.path.relpath(self.last_ckpt[2], root) if self.last_ckpt else None,
             "network": network, "algo": spec.algo, "env_id": spec.env_id, "workers": spec.total_workers,
+            # What ended a failed run: the exception's type and message and where (the learner's update, group 2,
+            # ...); the full traceback is in the master's or the group's log.
+            "error": dict(error) if error else None,
+            "acting": None if not acting else acting.get("path"),
         }
+
+
+def numeric(scalars: Any) -> dict[str, float]:
+    """The numeric entries of what the learner reported (anything else is ignored)."""
+    if not isinstance(scalars, dict):
+        try:
+            scalars = dict(scalars or {})
+        except (TypeError, ValueError):
+            return {}
+    out = {}
+    for k, v in scalars.items():
+        try:
+            out[str(k)[:64]] = float(v)
+        except (TypeError, ValueError):
+            continue
+    return out
 
 
 def episodes_record(group: int, env_steps: int, segment_steps: int, returns: list[float],
@@ -224,28 +246,52 @@ def save_best(files: RunFiles, weights: Mapping[str, np.ndarray], info: Mapping[
     atomic_write_json(d / BEST_FILE, {**info, "t": time.time()})
 
 
-def export_model(files: RunFiles, model: Any, weights: Mapping[str, np.ndarray], arch_doc: Mapping[str, Any],
-                 spec: RunSpec, version: int, *, norm: NormStats | None = None) -> None:
-    """Write ``model/``: ``policy.npz`` (numpy, for ``launcher eval``), ``architecture.json``, and the Keras
-    model. Each file appears whole or not at all (written aside, then renamed).
+def save_checkpoint_policy(files: RunFiles, number: int, arrays: Mapping[str, np.ndarray], kept: list[str]) -> None:
+    """Beside checkpoint ``ckpt-<number>``, its policy as ``policy-<number>.npz`` (what ``launcher eval
+    --checkpoint latest`` plays, with no TensorFlow); policies of checkpoints no longer ``kept`` are removed."""
+    d = files.checkpoints
+    tmp = aside(d / f"policy-{number}.npz")
+    saved: dict[str, Any] = dict(arrays)  # (numpy's stub would match a value to savez's allow_pickle)
+    np.savez(tmp, **saved)
+    os.replace(tmp, d / f"policy-{number}.npz")
+    keep = {f"policy-{Path(p).name.rpartition('-')[2]}.npz" for p in kept} | {f"policy-{number}.npz"}
+    for old in d.glob("policy-*.npz"):
+        if old.name not in keep:
+            old.unlink(missing_ok=True)
 
-    With observation normalisation (``norm``), ``policy.npz`` holds its statistics beside the weights
-    (``norm/obs_mean``, ``norm/obs_var``, and the return variance ``norm/ret_var``), ``architecture.json``
-    says how they are applied, and the Keras model takes raw observations (the normalisation is its first
-    layers: :func:`worker.models.with_normalization`), so whoever loads either acts as the groups did."""
-    from worker.models import with_normalization
 
-    norm = norm or NormStats()
+def policy_doc(*, env_id: str, algo: str, version: int, policy_output: int, spaces: Any, names: Sequence[str],
+               program: Any, acting: Mapping[str, Any]) -> dict[str, Any]:
+    """``model/policy.json``: how ``launcher eval`` acts with ``policy.npz``: the model's weight names, its numpy
+    program (None: it acts with TensorFlow, from ``final_model.keras``), which output is the policy, and the
+    action space (``spaces``: a :class:`worker.api.Spaces`)."""
+    return {"schema": "launcher.policy/v1", "env_id": env_id, "algo": algo, "version": version,
+            "policy_output": int(policy_output),
+            "action": {"discrete": spaces.discrete, "n": spaces.n_actions,
+                       "low": spaces.action_low.tolist(), "high": spaces.action_high.tolist()},
+            "weights": list(names), "extra_prefix": EXTRA_PREFIX,
+            "program": None if program is None else program.to_dict(), "acting": dict(acting)}
+
+
+def write_policy_doc(files: RunFiles, doc: Mapping[str, Any]) -> None:
+    """``model/policy.json``: how ``launcher eval`` acts with the run's weights (written when the run starts)."""
+    files.model_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(files.model_dir / POLICY_DOC_FILE, dict(doc))
+
+
+def export_model(files: RunFiles, model: Any, arrays: Mapping[str, np.ndarray], policy: Mapping[str, Any]) -> None:
+    """Write ``model/``: ``policy.npz`` (the model's weights by name and the learner's extras, for ``launcher
+    eval``), ``policy.json`` (how to act with them: the numpy program, the policy output and the action space;
+    see :func:`write_policy_doc`) and the Keras model (the learner's :meth:`worker.api.Learner.export_model`: the built-ins' takes raw
+    observations, their normalisation being its first layers). Each file appears whole or not at all
+    (written aside, then renamed)."""
     d = files.model_dir
     d.mkdir(parents=True, exist_ok=True)
     tmp = aside(d / POLICY_FILE)
-    arrays: dict[str, Any] = {**weights, **norm.arrays()}
-    np.savez(tmp, **arrays)
+    saved: dict[str, Any] = dict(arrays)
+    np.savez(tmp, **saved)
     os.replace(tmp, d / POLICY_FILE)
-    normalization = {"obs": norm.obs_mean is not None, "clip_obs": CLIP_OBS, "eps": EPS,
-                     "formula": "clip((obs - norm/obs_mean) / sqrt(norm/obs_var + eps), -clip_obs, clip_obs)"}
-    atomic_write_json(d / ARCHITECTURE_FILE, {"architecture": dict(arch_doc), "env_id": spec.env_id,
-                                              "algo": spec.algo, "version": version, "normalization": normalization})
+    write_policy_doc(files, policy)
     tmpk = aside(d / KERAS_MODEL_FILE)
-    with_normalization(model, norm.obs_mean, norm.obs_var).save(tmpk)
+    model.save(tmpk)
     os.replace(tmpk, d / KERAS_MODEL_FILE)

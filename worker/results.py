@@ -2,17 +2,21 @@
 
 Layout (``<results root>/<run id>/``)::
 
-    config.json       resolved launcher configuration (no secret)      written by the launcher
-    plan.json         placement plan                                    written by the launcher
-    spec.json         the run spec every process started from           written by the launcher
+    config.json       resolved launcher configuration (no secret)      a copy, by the launcher (*)
+    plan.json         placement plan                                    a copy, by the launcher (*)
+    spec.json         the run spec every process started from           a copy, by the launcher (*)
+    run.json          the launcher's run record                         a copy, by the launcher (*)
     status.json       live status, rewritten atomically every second    master
     metrics.jsonl     one JSON object per line: "episodes" and "progress" records   master
     summary.json      the outcome, written once at the end              master
     tensorboard/      TensorBoard event files                           master
     checkpoints/      tf.train.CheckpointManager checkpoints            master
-    model/            final_model.keras, policy.npz, architecture.json  master
+    model/            final_model.keras, policy.npz, policy.json       master
     learning_curve.png                                                  master
     logs/             master.log, group-<N>.log (process backend)       launcher
+
+(*) The launcher's own records are in ``<results root>/.launcher/<run id>/`` (:mod:`launcher.runs`), which no
+container of the run is given; these copies are for the user's tools and never read back by the host.
 """
 
 from __future__ import annotations

@@ -1,66 +1,74 @@
-"""A3C: worker groups compute actor-critic gradients on their own experience; the master applies them
-asynchronously, as they arrive, and answers each with the current weights.
+"""A3C, written on the public API: each group computes the actor-critic gradient of its own segment (with
+TensorFlow, once per group) and sends it; the master applies each gradient as it comes
+(:meth:`worker.api.Schedule.asynchronous`, gradients more than ``max_staleness`` versions old dropped) and
+answers that group alone with the current weights.
 """
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Mapping, Sequence
 
 import numpy as np
-import tensorflow as tf
 
-from worker.algorithms.tfdist import LearnerBase, log_prob_entropy
-from worker.models import Architecture, build_keras_model, set_named_weights, trainable_variables, variable_name
+from worker.algorithms import hparams as tables
+from worker.algorithms.actor_critic import LOG_STD, ActorCritic, ActorCriticLearner, SegmentActor
+from worker.api import ActorContext, Field, LearnerContext, Payload, Schedule
 
-
-class A3CGradients:
-    """Group side: the same Keras model, used only to compute gradients of the A3C loss."""
-
-    def __init__(self, arch: Architecture, hp: Mapping[str, Any], seed: int) -> None:
-        self.arch = arch
-        self.model = build_keras_model(arch, seed)
-        self.variables = trainable_variables(self.model)
-        self.names = [variable_name(v) for v in self.variables]
-        vf, ent, cont = float(hp["vf_coef"]), float(hp["ent_coef"]), arch.continuous
-        model, variables = self.model, self.variables
-
-        @tf.function(reduce_retracing=True)
-        def grads(obs: tf.Tensor, actions: tf.Tensor, adv: tf.Tensor, ret: tf.Tensor) -> Any:
-            with tf.GradientTape() as tape:
-                out, value = model(obs, training=True)
-                logp, entropy = log_prob_entropy(model, out, actions, cont)
-                pg = -tf.reduce_mean(logp * tf.stop_gradient(adv))
-                v_loss = 0.5 * tf.reduce_mean(tf.square(ret - value))
-                loss = pg + vf * v_loss - ent * entropy
-            return tape.gradient(loss, variables), pg, v_loss, entropy
-
-        self._grads = grads
-
-    def compute(self, weights: Mapping[str, np.ndarray], batch: Mapping[str, np.ndarray]) -> tuple[dict[str, np.ndarray], dict[str, float]]:
-        """Gradients of the loss on ``batch`` at ``weights``, by variable name, and the loss terms."""
-        set_named_weights(self.model, weights)
-        g, pg, v_loss, entropy = self._grads(batch["obs"], batch["actions"], batch["advantages"], batch["returns"])
-        named = {n: np.asarray(x.numpy(), dtype=np.float32) for n, x in zip(self.names, g)}
-        return named, {"policy_loss": float(pg), "value_loss": float(v_loss), "entropy": float(entropy)}
+LOSS_NAMES = ("policy_loss", "value_loss", "entropy")
 
 
-class A3CLearner(LearnerBase):
-    """Master side: applies pushed gradients (clipped by global norm) with one shared optimiser."""
+class A3CActor(SegmentActor):
+    """A segment, then its gradient at the weights that acted (the master counts the gradient's staleness)."""
 
-    def __init__(self, arch: Architecture, hp: Mapping[str, Any], seed: int) -> None:
-        super().__init__(arch, hp, seed)
-        self.names = [variable_name(v) for v in self.variables]
-        max_norm = float(hp["max_grad_norm"])
-        variables, opt = self.variables, self.optimizer
+    def __init__(self, ctx: ActorContext) -> None:
+        super().__init__(ctx)
+        from worker.algorithms.a3c_grads import A3CGradients
 
-        @tf.function(reduce_retracing=True)
-        def apply(grads: list[tf.Tensor]) -> tf.Tensor:
-            clipped, norm = tf.clip_by_global_norm(grads, max_norm)
-            opt.apply_gradients(zip(clipped, variables))
-            return norm
+        model = ctx.keras_model()  # TensorFlow in the group: one runtime, made once
+        names = {id(v): n for n, v in ctx.variables().items()}
+        self.grads = A3CGradients(model, [names[id(v)] for v in model.trainable_variables], ctx.hparams,
+                                  continuous=not ctx.spaces.discrete, n_outputs=ctx.spaces.n_actions)
 
-        self._apply = apply
+    def collect(self) -> Mapping[str, np.ndarray]:
+        seg, moments = self.segment()
+        log_std = self.policy.log_std if self.policy.continuous else None
+        grads, losses = self.grads.compute(seg.flat(), log_std)
+        return {**{f"g/{k}": v for k, v in grads.items()},
+                "losses": np.asarray([losses[k] for k in LOSS_NAMES], np.float32), **moments}
 
-    def apply(self, grads: Mapping[str, np.ndarray]) -> float:
-        """Apply one group's gradients. Returns the pre-clipping global norm."""
-        return float(self._apply([tf.convert_to_tensor(grads[n]) for n in self.names]))
+
+class A3CLearnerRole(ActorCriticLearner):
+    def __init__(self, ctx: LearnerContext) -> None:
+        super().__init__(ctx)
+        from worker.algorithms.a3c_grads import A3CLearner
+
+        names = {id(v): n for n, v in ctx.variables.items()}
+        self.impl = A3CLearner(ctx.model, [names[id(v)] for v in ctx.model.trainable_variables], ctx.hparams,
+                               **self.shape_args())
+
+    def update(self, payloads: Sequence[Payload]) -> Mapping[str, float]:
+        lr = self.impl.set_progress(self.ctx.progress())
+        stats: dict[str, float] = {}
+        for p in payloads:  # one per update (asynchronous), but any number is well defined
+            norm = self.impl.apply({k[2:]: v for k, v in p.items() if k.startswith("g/")})
+            stats = {**dict(zip(LOSS_NAMES, (float(x) for x in p["losses"]))), "grad_norm": norm}
+        return {**stats, "lr": lr}
+
+
+class A3C(ActorCritic):
+    """Asynchronous advantage actor-critic (``--algo a3c``)."""
+
+    name = "a3c"
+    hparams = tables.DECLARED["a3c"]
+    checkpoint_every = 500  # an update per gradient: small and frequent
+    actor = A3CActor
+    learner = A3CLearnerRole
+
+    def schedule(self) -> Schedule:
+        return Schedule.asynchronous(max_lag=int(self.hp["max_staleness"]))
+
+    def payload(self, weights: Mapping[str, tuple[int, ...]], trainable: Sequence[str]) -> Mapping[str, Field]:
+        grads = {f"g/{n}": Field("float32", weights[n], rows=False) for n in trainable}
+        if not self.spaces.discrete:
+            grads[f"g/{LOG_STD}"] = Field("float32", (self.spaces.n_actions,), rows=False)
+        return {**grads, "losses": Field("float32", (len(LOSS_NAMES),), rows=False), **self.moments_schema()}

@@ -19,8 +19,8 @@ import gymnasium
 import numpy as np
 from gymnasium.vector import AutoresetMode, SyncVectorEnv
 
-from worker.models import NumpyPolicy
 from worker.normalize import Moments, NormStats, ReturnTracker
+from worker.segments import gae
 
 
 @dataclass
@@ -58,29 +58,10 @@ class Segment:
         return {k: v[self.valid] for k, v in arrays.items()}
 
 
-def gae(rewards: np.ndarray, values: np.ndarray, dones: np.ndarray, last_values: np.ndarray,
-        gamma: float, lam: float) -> tuple[np.ndarray, np.ndarray]:
-    """Generalised advantage estimation over a (T, K) segment.
-
-    ``dones[t]`` ends the episode after step t (no bootstrap across it). Truncated episodes are handled
-    by the caller folding ``gamma * V(final_obs)`` into that step's reward. Returns (advantages, returns).
-    """
-    t_len = rewards.shape[0]
-    adv = np.zeros_like(rewards, dtype=np.float32)
-    last = np.zeros(rewards.shape[1], dtype=np.float32)
-    next_values = last_values.astype(np.float32)
-    for t in range(t_len - 1, -1, -1):
-        nonterminal = 1.0 - dones[t]
-        delta = rewards[t] + gamma * next_values * nonterminal - values[t]
-        last = delta + gamma * lam * nonterminal * last
-        adv[t] = last
-        next_values = values[t]
-    return adv, (adv + values).astype(np.float32)
-
-
 def as_vector_env(envs: Any) -> gymnasium.vector.VectorEnv[Any, Any, Any]:
-    """A vector env as is; a list of single envs as a ``SyncVectorEnv`` (``SAME_STEP``) over them."""
-    if isinstance(envs, gymnasium.vector.VectorEnv):
+    """A vector env (or a wrapper of one, such as the group's episode counter) as is; a list of single envs as a
+    ``SyncVectorEnv`` (``SAME_STEP``) over them."""
+    if isinstance(envs, gymnasium.vector.VectorEnv) or hasattr(envs, "num_envs"):
         return envs
     return SyncVectorEnv([_returning(e) for e in envs], autoreset_mode=AutoresetMode.SAME_STEP)
 
@@ -98,7 +79,9 @@ def autoreset_mode(vec: Any) -> AutoresetMode:
 
 class Collector:
     """Steps K envs (one vector env, or a list of envs) with a numpy policy and cuts the stream into
-    :class:`Segment` s.
+    :class:`Segment` s. The built-in actor-critic actor's collector; ``policy`` has ``act(obs, rng)`` ->
+    (actions, log-probabilities, values), ``forward(obs)`` -> (policy output, values), ``env_actions``,
+    ``version`` and ``obs_dtype`` (:class:`worker.algorithms.actor_critic.ActorCriticPolicy`).
 
     With ``normalize_obs`` the policy acts on (and the segment holds) observations normalised with
     :attr:`norm` (set with each weights version), and the segment carries the moments of the raw ones;
@@ -110,7 +93,7 @@ class Collector:
         ValueError: for a vector env whose autoreset is disabled (nothing would reset finished copies).
     """
 
-    def __init__(self, envs: Any, policy: NumpyPolicy, *, gamma: float, lam: float, seed: int,
+    def __init__(self, envs: Any, policy: Any, *, gamma: float, lam: float, seed: int,
                  normalize_obs: bool = False, normalize_reward: bool = False) -> None:
         self.vec = as_vector_env(envs)
         self.mode = autoreset_mode(self.vec)
@@ -123,7 +106,7 @@ class Collector:
         self.k = self.vec.num_envs
         first, _ = self.vec.reset(seed=seed)
         # Image frames stay bytes (the network scales them); everything else is float32.
-        self.obs_dtype = np.dtype(policy.arch.obs_dtype)
+        self.obs_dtype = np.dtype(policy.obs_dtype)
         self.obs = np.asarray(first, dtype=self.obs_dtype)
         self.ep_return = np.zeros(self.k, dtype=np.float64)
         self.ep_length = np.zeros(self.k, dtype=np.int64)

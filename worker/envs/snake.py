@@ -353,9 +353,10 @@ class SnakeEnv(gymnasium.Env[Obs, np.int64]):
 
 def _benchmark(steps: int = 1_000_000, seed: int = 0) -> None:
     """Print steps/s with uniformly random actions, raw and through ``gymnasium.make``."""
+    import importlib
     import time
 
-    import worker.envs  # noqa: F401  (registers launcher/Snake-v0)
+    importlib.import_module("worker.envs")  # registers launcher/Snake-v0
 
     env = SnakeEnv()
     env.reset(seed=seed)

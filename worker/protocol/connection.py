@@ -143,7 +143,7 @@ class Connection:
             if _fits(target, dtype, shape):
                 assert target is not None
                 if nbytes:
-                    self._recv_into(target.data.cast("B"), deadline, h)
+                    self._recv_into(target.reshape(-1).data.cast("B"), deadline, h)
                 arrays[name] = target
             else:
                 view = scratch[offset:offset + nbytes]

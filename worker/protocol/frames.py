@@ -28,7 +28,7 @@ from typing import Any, Mapping
 import numpy as np
 
 MAGIC = b"LNCH"
-PROTOCOL_VERSION = 2  # 2: frames after the handshake are sealed (sequence number and MAC)
+PROTOCOL_VERSION = 3  # 2: frames after the handshake are sealed; 3: SETUP, payloads of any algorithm
 HEADER = struct.Struct("!4sBBHI")
 HEADER_SIZE = HEADER.size  # 12
 META_LEN = struct.Struct("!I")
@@ -59,14 +59,15 @@ _CODE_OF = {v: k for k, v in DTYPES.items()}
 class MsgType(enum.IntEnum):
     CHALLENGE = 1  # master -> group: nonce
     HELLO = 2  # group -> master: identity + HMAC
-    WELCOME = 3  # master -> group: HMAC + run info (followed by WEIGHTS)
+    WELCOME = 3  # master -> group: HMAC + run info (followed by SETUP, then WEIGHTS)
     REJECT = 4  # master -> group: reason, then close
-    WEIGHTS = 5  # master -> group: model weights + version
-    GRADS = 6  # group -> master (A3C): gradients + stats
-    TRAJ = 7  # group -> master (PPO): trajectory segment + stats
+    WEIGHTS = 5  # master -> group: model weights + extras + version ("unchanged": the version the group has)
+    GRADS = 6  # retired in protocol 3 (payloads of every algorithm are TRAJ); refused
+    TRAJ = 7  # group -> master: a payload (the algorithm's named arrays) + the launcher's episode counts
     HEARTBEAT = 8  # both ways
     STOP = 9  # master -> group: the run is over
-    BYE = 10  # group -> master: leaving on purpose
+    BYE = 10  # group -> master: leaving on purpose (with "error": the algorithm's code raised in the group)
+    SETUP = 11  # master -> group: how to act (numpy program or TensorFlow), the weights' names, the schedule
 
 
 class ProtocolError(Exception):
@@ -128,11 +129,13 @@ def encode_parts(msg_type: MsgType, fields: Mapping[str, Any] | None = None,
     bufs: list[memoryview | bytes] = []
     descs = []
     for name, arr in arrays.items():
-        a = np.ascontiguousarray(arr)
+        a = np.asarray(arr)
+        if not a.flags.c_contiguous:  # (np.ascontiguousarray would also turn a 0-d array, a scalar weight, 1-d)
+            a = np.ascontiguousarray(a)
         if a.dtype.byteorder == ">":
             a = a.astype(a.dtype.newbyteorder("<"))
         descs.append(_array_descriptor(name, a))
-        bufs.append(a.data.cast("B") if a.size else b"")
+        bufs.append(a.reshape(-1).data.cast("B") if a.size else b"")
     meta = json.dumps({"f": dict(fields or {}), "a": descs}, separators=(",", ":"), allow_nan=False).encode()
     payload_len = META_LEN.size + len(meta) + sum(len(b) for b in bufs)
     if payload_len > 0xFFFFFFFF:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import hashlib
 import hmac
 import struct
-from typing import Iterable
 
 from worker.protocol.frames import ProtocolError
 
@@ -48,14 +47,6 @@ def derive_keys(secret: bytes, server_nonce: bytes, client_nonce: bytes, run_id:
     context = run_id.encode("utf-8", "replace")
     return (hkdf(secret, salt, b"launcher/1 master->group " + context),
             hkdf(secret, salt, b"launcher/1 group->master " + context))
-
-
-def payload_digest(chunks: Iterable[bytes | memoryview]) -> bytes:
-    """SHA-256 over a payload given in pieces (hashlib releases the GIL on large pieces)."""
-    h = hashlib.sha256()
-    for c in chunks:
-        h.update(c)
-    return h.digest()
 
 
 class Session:
