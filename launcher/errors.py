@@ -12,13 +12,15 @@ import enum
 class ExitCode(enum.IntEnum):
     """Documented process exit codes of ``launcher`` (README.md has the table)."""
 
-    OK = 0  # the run finished: reached --until-return, or ran its --max-steps with no target set
+    OK = 0  # the run finished: reached --until-return, or ran its --max-steps with no target set;
+    # `launcher check`: a run of the kind asked (GPU, or CPU with --cpu) can start here
     INTERNAL = 1  # a bug or an unexpected failure; the message says where to look
     BAD_INPUT = 2  # a flag, config file or policy value was wrong; nothing was started
     TARGET_NOT_REACHED = 3  # --until-return was not reached within --max-steps
     TIMEOUT = 4  # --timeout elapsed; the run was torn down cleanly
     NO_RESOURCES = 5  # not enough free GPUs/CPUs, or they are held by other runs
-    MISSING_DEPENDENCY = 6  # no Docker engine, no NVIDIA runtime, no NVML driver where one is required
+    MISSING_DEPENDENCY = 6  # no Docker engine, NVIDIA runtime, Slurm client/controller or NVML driver where required;
+    # `launcher check`: a line the run asked about needs is missing or broken
     RUN_FAILED = 7  # the master died or every worker group was lost
     INTERRUPTED = 130  # SIGINT or SIGTERM; everything was torn down
 
@@ -64,7 +66,7 @@ class NoResources(LauncherError):
 
 
 class MissingDependency(LauncherError):
-    """An outside system the run needs (Docker engine, NVIDIA runtime, NVML driver) is not there."""
+    """An outside system the run needs (Docker engine, NVIDIA runtime, Slurm, NVML driver) is not there."""
 
     exit_code = ExitCode.MISSING_DEPENDENCY
 
@@ -73,18 +75,6 @@ class RunFailed(LauncherError):
     """The run started but could not go on (master died, every group lost)."""
 
     exit_code = ExitCode.RUN_FAILED
-
-
-class TargetNotReached(LauncherError):
-    """The run used its whole step budget without reaching --until-return."""
-
-    exit_code = ExitCode.TARGET_NOT_REACHED
-
-
-class RunTimeout(LauncherError):
-    """The run hit its --timeout and was torn down."""
-
-    exit_code = ExitCode.TIMEOUT
 
 
 class Interrupted(LauncherError):

@@ -2,16 +2,18 @@
 
 Where the weights come from (``--checkpoint``):
 
-* ``final`` (default): ``model/policy.npz`` + ``model/architecture.json``, exported by the master at the end;
-  run with :class:`worker.models.NumpyPolicy`, no TensorFlow.
-* ``best``: ``model/best_policy.npz``, kept by the master whenever the windowed mean return improved.
-* ``latest``: the newest TF checkpoint in ``checkpoints/`` (a run that was stopped or crashed), restored with
-  :class:`worker.checkpoint.Checkpointer` into a built Keras model whose weights then go to NumpyPolicy.
+* ``final`` (default): ``model/policy.npz``, exported by the master at the end;
+* ``best``: ``model/best_policy.npz``, kept by the master whenever the windowed mean return improved;
+* ``latest``: the policy saved with the newest checkpoint (``checkpoints/policy-<updates>.npz``): a run that was
+  stopped or crashed;
 * a path: a checkpoint prefix (``checkpoints/ckpt-190``, relative to the run or absolute) or an ``.npz``.
 
-Acting is greedy: the most probable action (discrete) or the mean (continuous), no exploration noise.
-Observations are normalised as the run's groups normalised them (running statistics saved with the weights
-in ``policy.npz``/``best_policy.npz`` and in every checkpoint; :mod:`worker.normalize`).
+How to act comes from ``model/policy.json``, which the master writes when the run starts: the model's numpy
+program (:mod:`worker.numpy_model`; no TensorFlow, and nothing of the run's code is imported) or, for a model
+that acts with TensorFlow, ``model/final_model.keras`` loaded with Keras (a layer of your own needs your code:
+``--code FILE.py``, named on the command line, never read from the run). Acting is greedy on the algorithm's
+policy output: the argmax for Discrete actions, the output clipped to the bounds for a Box. Observations are
+normalised as the groups normalised them when the learner's extras carry ``norm/obs_mean`` and ``norm/obs_var``.
 """
 
 from __future__ import annotations
@@ -21,16 +23,18 @@ import math
 import statistics
 import time
 import zipfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from launcher.errors import BadInput, MissingDependency
+from launcher.eval_env import check_env, drop_run_paths, import_env_dir, run_spec
 from launcher.runs import RunDir
-from worker.models import Architecture, NumpyPolicy, check_weights
+from worker.contract import EXTRA_PREFIX, POLICY_DOC_FILE
 from worker.normalize import NormStats, check_stats
+from worker.numpy_model import NumpyModel, Program
 from launcher import safefs
 from launcher.safefs import read_json_at as read_json  # never through a link a container planted (issue 14)
 
@@ -56,87 +60,128 @@ class Episode:
 
 
 @dataclass(frozen=True)
+class PolicyDoc:
+    """``model/policy.json``, checked (the run's master wrote it: every field is typed before use)."""
+
+    names: tuple[str, ...]
+    shapes: dict[str, tuple[int, ...]]
+    program: Program | None
+    policy_output: int
+    discrete: bool
+    low: np.ndarray
+    high: np.ndarray
+    acting: str
+
+
+@dataclass(frozen=True)
 class LoadedPolicy:
     """Weights ready to act with, and where they came from."""
 
-    arch: Architecture
+    doc: PolicyDoc
     weights: dict[str, np.ndarray]
     checkpoint: str  # final, best, latest, path
     source: str  # the file or checkpoint prefix read
     norm: NormStats = NormStats()  # the observation statistics the run acted with (none: not normalised)
+    keras_model: Any = field(default=None, repr=False)  # TensorFlow-acting runs
 
-    def policy(self) -> NumpyPolicy:
-        p = NumpyPolicy(self.arch)
-        p.set_weights(self.weights, version=0)
-        return p
+    def policy(self) -> "GreedyPolicy":
+        if self.doc.program is not None:
+            model = NumpyModel(self.doc.program)
+            model.set_weights(self.weights, 0)
+            return GreedyPolicy(self.doc, model, self.norm)
+        from worker.keras_convert import set_weights
+
+        set_weights(self.keras_model, self.weights, list(self.doc.names))
+        keras_model = self.keras_model
+        return GreedyPolicy(self.doc, lambda obs: keras_model(obs, training=False), self.norm)
 
 
-def run_spec(run_dir: RunDir) -> dict[str, Any]:
-    spec = read_json(run_dir.files.spec)
-    if not spec:
-        raise BadInput(f"run {run_dir.run_id} has no readable spec.json in {run_dir.path}",
-                       hint="is this a launcher results directory?")
-    return dict(spec)
+class GreedyPolicy:
+    """The most probable action (Discrete) or the policy output clipped to the bounds (Box)."""
+
+    def __init__(self, doc: PolicyDoc, model: Callable[[np.ndarray], Any], norm: NormStats) -> None:
+        self.doc, self.model, self.norm = doc, model, norm
+
+    def __call__(self, obs: Any) -> Any:
+        x = self.norm.obs(np.asarray(obs, np.float32)[None]) if self.norm.obs_mean is not None else np.asarray(obs)[None]
+        out = self.model(x)
+        out = out if isinstance(out, (list, tuple)) else (out,)
+        head = np.asarray(out[self.doc.policy_output])[0]
+        if self.doc.discrete:
+            return int(np.argmax(head))
+        return np.clip(head, self.doc.low, self.doc.high)
 
 
-def architecture_of(run_dir: RunDir) -> Architecture:
-    """The run's network: from ``model/architecture.json`` if the master exported it, else rebuilt from the
-    spec (env spaces + hyper-parameters) exactly as the master built it."""
-    doc = read_json(run_dir.files.model_dir / "architecture.json")
-    if doc and "architecture" in doc:
-        a = dict(doc["architecture"])
-        for key in ("obs_shape", "hidden", "conv_filters", "action_low", "action_high"):
-            if key in a and a[key] is not None:
-                a[key] = tuple(a[key])
-        return Architecture(**a)
-    from worker.envs import make_env
-
-    spec = run_spec(run_dir)
-    env = make_env(spec["env_id"], seed=0, **(spec.get("env_args") or {}))
+def policy_doc(run_dir: RunDir) -> PolicyDoc:
+    """How to act with the run's weights, from ``model/policy.json``. Raises BadInput when it is missing or not
+    what the master writes (the message says which field)."""
+    path = run_dir.files.model_dir / POLICY_DOC_FILE
+    doc = read_json(path)
+    if not isinstance(doc, dict):
+        raise BadInput(f"run {run_dir.run_id} has no readable {path.relative_to(run_dir.path)}",
+                       hint="the master writes it when the run starts; a run made by a launcher before 0.2 "
+                            "cannot be evaluated by this one")
     try:
-        return Architecture.for_spaces(env.observation_space, env.action_space, _hparams(spec, env))
-    finally:
-        env.close()
+        names = tuple(str(n) for n in doc["weights"])
+        program = Program.from_dict(doc["program"]) if doc.get("program") is not None else None
+        action = doc["action"]
+        discrete = bool(action["discrete"])
+        low = np.asarray(action.get("low") or [], np.float64)
+        high = np.asarray(action.get("high") or [], np.float64)
+        output = doc["policy_output"]
+        if not isinstance(output, int) or isinstance(output, bool) or output < 0:
+            raise ValueError(f"policy_output {output!r}")
+        shapes = program.weight_shapes if program is not None else {}
+        acting = str((doc.get("acting") or {}).get("path"))
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise BadInput(f"{path} is not a policy description this launcher can use: {exc}",
+                       hint="is this a launcher results directory?") from None
+    return PolicyDoc(names, shapes, program, output, discrete, low, high, acting)
 
 
-def _hparams(spec: dict[str, Any], env: Any = None) -> dict[str, Any]:
-    """The hyper-parameters the run's master resolved (its env's kind included)."""
-    from worker.algorithms import hparams
-    from worker.envs import make_env
-    from worker.models import env_kind
-
-    made = env is None
-    if made:
-        env = make_env(spec["env_id"], seed=0, **(spec.get("env_args") or {}))
-    try:
-        kind = env_kind(env.observation_space, env.action_space)
-        return hparams.resolve(spec["algo"], spec["env_id"], spec.get("hparams") or {}, kind=kind)
-    finally:
-        if made:
-            env.close()
-
-
-def _npz(path: Path) -> tuple[dict[str, np.ndarray], NormStats]:
-    """The weights (float32) and the normalisation statistics (``norm/*``, float64) in an exported ``.npz``."""
-    # model/ is written by the master container: opened without following a link, a regular file only.
+def _npz(path: Path) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """The weights (float32) and the learner's extras (``x/*``) in an exported ``.npz``."""
+    # model/ and checkpoints/ are written by the master container: opened without following a link, a regular
+    # file only.
     try:
         with safefs.open_read(path.parent.parent, f"{path.parent.name}/{path.name}") as fh, np.load(fh) as data:
             arrays = {k: np.asarray(data[k]) for k in data.files}
-            weights = {k: v.astype(np.float32) for k, v in arrays.items() if not k.startswith("norm/")}
-            return weights, NormStats.from_arrays(arrays)
     except (OSError, ValueError, zipfile.BadZipFile) as exc:
         raise BadInput(f"cannot read the weights in {path}: {exc}",
                        hint="pick another --checkpoint (final, best, latest or a path)") from None
+    weights = {k: v.astype(np.float32) for k, v in arrays.items() if not k.startswith(EXTRA_PREFIX)}
+    extras = {k[len(EXTRA_PREFIX):]: v for k, v in arrays.items() if k.startswith(EXTRA_PREFIX)}
+    return weights, extras
 
 
-def load_weights(run_dir: RunDir, checkpoint: str = "final") -> LoadedPolicy:
-    """The policy weights ``checkpoint`` names (see the module docstring).
+def checkpoint_policy(run_dir: RunDir, prefix: Path | None) -> Path:
+    """The policy saved with the newest checkpoint (``prefix`` None) or with ``checkpoints/ckpt-N``."""
+    ckpt_dir = run_dir.files.checkpoints
+    saved = sorted(((int(p.stem.split("-")[1]), p) for p in ckpt_dir.glob("policy-*.npz")
+                    if p.stem.split("-")[1].isdigit()), reverse=True)
+    if prefix is None:
+        if not saved:
+            raise BadInput(f"run {run_dir.run_id} has no checkpoint in {ckpt_dir}",
+                           hint="the master writes one every --checkpoint-every updates and when it stops")
+        return saved[0][1]
+    number = prefix.name.rpartition("-")[2]
+    path = ckpt_dir / f"policy-{number}.npz"
+    if not number.isdigit() or not path.exists():
+        raise BadInput(f"--checkpoint {prefix}: no policy saved with that checkpoint ({path.name})",
+                       hint=f"checkpoints of this run: {', '.join(f'ckpt-{n}' for n, _ in saved) or 'none'} "
+                            f"(in {ckpt_dir})")
+    return path
+
+
+def load_weights(run_dir: RunDir, checkpoint: str = "final", *, code: str | None = None) -> LoadedPolicy:
+    """The policy weights ``checkpoint`` names (see the module docstring); ``code``: a file or module of the
+    user's to import before loading a TensorFlow-acting model (its custom layers).
 
     Raises:
         BadInput: the file or checkpoint is not there (the message says which and what exists), or its
-            weights do not fit the run's architecture.
+            weights do not fit the run's model.
     """
-    arch = architecture_of(run_dir)
+    doc = policy_doc(run_dir)
     model_dir = run_dir.files.model_dir
     if checkpoint in ("final", "best"):
         path = model_dir / ("policy.npz" if checkpoint == "final" else "best_policy.npz")
@@ -145,29 +190,74 @@ def load_weights(run_dir: RunDir, checkpoint: str = "final") -> LoadedPolicy:
                     if checkpoint == "final" else
                     "the master keeps it once the mean return of a window exists; try --checkpoint final or latest")
             raise BadInput(f"run {run_dir.run_id} has no {path.relative_to(run_dir.path)}", hint=hint)
-        (weights, norm), kind, source = _npz(path), checkpoint, str(path)
+        kind = checkpoint
     elif checkpoint == "latest":
-        weights, norm, source = _restore_tf(run_dir, arch, None)
-        kind = "latest"
+        path, kind = checkpoint_policy(run_dir, None), "latest"
     else:
-        path = _resolve_path(run_dir, Path(checkpoint).expanduser())
-        if path.suffix == ".npz":
-            if not path.exists():
-                raise BadInput(f"--checkpoint {checkpoint}: no such file {path}")
-            (weights, norm), source = _npz(path), str(path)
+        given = _resolve_path(run_dir, Path(checkpoint).expanduser())
+        if given.suffix == ".npz":
+            if not given.exists():
+                raise BadInput(f"--checkpoint {checkpoint}: no such file {given}")
+            path = given
         else:
-            weights, norm, source = _restore_tf(run_dir, arch, path)
+            path = checkpoint_policy(run_dir, given)
         kind = "path"
+    weights, extras = _npz(path)
+    source = str(path)
+    want = set(doc.names)
+    if set(weights) != want:
+        missing, extra = sorted(want - set(weights)), sorted(set(weights) - want)
+        raise BadInput(f"the weights in {source} do not fit run {run_dir.run_id}'s model: missing {missing[:4]}, "
+                       f"unexpected {extra[:4]}", hint="pick a checkpoint of this run")
+    if doc.program is not None:
+        try:
+            NumpyModel(doc.program).check_weights(weights)
+        except ValueError as exc:
+            raise BadInput(f"the weights in {source} do not fit run {run_dir.run_id}'s model: {exc}",
+                           hint="pick a checkpoint of this run") from None
+    norm = NormStats.from_arrays(extras)
+    if norm.obs_mean is not None:
+        shape = doc.program.input_shape if doc.program is not None else np.shape(norm.obs_mean)
+        problem = check_stats(norm.arrays(), tuple(shape), obs=True, ret=False)
+        if problem is not None:
+            raise BadInput(f"the normalisation statistics in {source} are unusable: {problem}",
+                           hint="pick another --checkpoint (final, best, latest or a path)")
+    keras_model = None if doc.program is not None else _keras_model(run_dir, code)
+    return LoadedPolicy(doc, weights, kind, source, NormStats(norm.obs_mean, norm.obs_var), keras_model)
+
+
+def _keras_model(run_dir: RunDir, code: str | None) -> Any:
+    """A TensorFlow-acting run's model, from ``model/final_model.keras`` (the architecture; weights are set from
+    the chosen checkpoint). ``code`` is imported first: the user's custom layers register themselves."""
+    import os
+
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # keep TF's start-up banner off the user's stderr
+    path = run_dir.files.model_dir / "final_model.keras"
+    if not path.exists():
+        raise BadInput(f"run {run_dir.run_id} acted with TensorFlow and has no {path.relative_to(run_dir.path)} to "
+                       "rebuild its model from", hint="the master exports it when the run ends")
+    if code is not None:
+        from worker.algorithms import UserCodeError, _import
+
+        try:
+            _import(code, code)
+        except UserCodeError as exc:
+            raise BadInput(f"--code {code}: {exc.detail}") from None
+    import keras
+
     try:
-        check_weights(arch, weights)
-    except ValueError as exc:
-        raise BadInput(f"the weights in {source} do not fit run {run_dir.run_id}'s network: {exc}",
-                       hint="pick a checkpoint of this run") from None
-    problem = check_stats(norm.arrays(), arch.obs_shape, obs=norm.obs_mean is not None, ret=False)
-    if problem is not None:
-        raise BadInput(f"the normalisation statistics in {source} are unusable: {problem}",
-                       hint="pick another --checkpoint (final, best, latest or a path)")
-    return LoadedPolicy(arch, weights, kind, source, norm)
+        with safefs.open_read(path.parent.parent, f"{path.parent.name}/{path.name}") as fh:
+            tmp = Path(os.environ.get("TMPDIR", "/tmp")) / f"launcher-eval-{os.getpid()}.keras"
+            tmp.write_bytes(fh.read())
+        try:
+            model = keras.saving.load_model(tmp, compile=False, safe_mode=True)
+        finally:
+            tmp.unlink(missing_ok=True)
+    except (TypeError, ValueError) as exc:
+        raise BadInput(f"cannot rebuild the model of run {run_dir.run_id} from final_model.keras: {exc}",
+                       hint="a layer of your own needs your code: `launcher eval RUN --code path/to/file.py` "
+                            "(the file that defines and registers it)") from None
+    return model
 
 
 def _resolve_path(run_dir: RunDir, given: Path) -> Path:
@@ -181,63 +271,18 @@ def _resolve_path(run_dir: RunDir, given: Path) -> Path:
     return candidates[0]
 
 
-def _restore_tf(run_dir: RunDir, arch: Architecture, prefix: Path | None
-                ) -> tuple[dict[str, np.ndarray], NormStats, str]:
-    """Restore a TF checkpoint (the newest, or ``prefix``) into a fresh Keras model; return its weights and
-    the normalisation statistics saved with it (for the normalisation the run's hyper-parameters turn on)."""
-    ckpt_dir = run_dir.files.checkpoints
-    if prefix is None and not (ckpt_dir / "checkpoint").exists():
-        raise BadInput(f"run {run_dir.run_id} has no checkpoint in {ckpt_dir}",
-                       hint="the master writes one every --checkpoint-every updates and when it stops")
-    if prefix is not None and not Path(f"{prefix}.index").exists():
-        existing = sorted(p.name.removesuffix(".index") for p in ckpt_dir.glob("*.index"))
-        raise BadInput(f"--checkpoint {prefix}: no TF checkpoint there (no {prefix}.index)",
-                       hint=f"checkpoints of this run: {', '.join(existing) or 'none'} (in {ckpt_dir})")
-    import os
-
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # keep TF's start-up banner off the user's stderr
-    import tensorflow as tf
-
-    from worker.checkpoint import Checkpointer
-    from worker.models import build_keras_model, get_named_weights
-    from worker.normalize import RunningNorm, normalization
-
-    spec = run_spec(run_dir)
-    model = build_keras_model(arch, seed=0)
-    norm_obs, norm_ret = normalization(arch, _hparams(spec))
-    running = RunningNorm(arch.obs_shape if norm_obs else None, norm_ret)
-    ckpt = Checkpointer(ckpt_dir, model, tf.keras.optimizers.Adam(), window=int(spec.get("return_window", 100)),
-                        norm=running)
-    if prefix is None:
-        restored = ckpt.restore_latest()
-        if restored is None:
-            raise BadInput(f"no readable checkpoint in {ckpt_dir}", hint="try --checkpoint final")
-        source = restored[2]
-    else:
-        try:
-            ckpt.checkpoint.restore(str(prefix)).expect_partial()
-        except (tf.errors.OpError, ValueError, AssertionError) as exc:
-            raise BadInput(f"--checkpoint {prefix}: cannot restore it: {exc}") from None
-        source = str(prefix)
-        ckpt.load_norm()
-    return get_named_weights(model), running.stats(), source
-
-
 # ------------------------------------------------------------------------------------------------ playing
-def play(policy: NumpyPolicy, env: Any, *, seed: int, record: bool = False,
-         max_frames: int = DEFAULT_GIF_MAX_FRAMES, norm: NormStats = NormStats(),
-         max_episode_steps: int = DEFAULT_MAX_EPISODE_STEPS) -> Episode:
-    """One greedy episode on ``env`` (reset with ``seed``), observations normalised with ``norm``, cut at
+def play(policy: Callable[[Any], Any], env: Any, *, seed: int, record: bool = False,
+         max_frames: int = DEFAULT_GIF_MAX_FRAMES, max_episode_steps: int = DEFAULT_MAX_EPISODE_STEPS) -> Episode:
+    """One greedy episode on ``env`` (reset with ``seed``) with ``policy`` (observation -> action), cut at
     ``max_episode_steps`` (an env without a time limit, Flappy Bird say, can otherwise play forever)."""
-    rng = np.random.default_rng(seed)
     obs, info = env.reset(seed=seed)
     frames: list[np.ndarray] = []
     total, length, done, cut = 0.0, 0, False, False
     if record:
         frames.append(np.asarray(env.render()))
     while not done:
-        action, _, _ = policy.act(norm.obs(np.asarray(obs, np.float32)[None]), rng, greedy=True)
-        obs, reward, terminated, truncated, info = env.step(policy.env_action(action[0]))
+        obs, reward, terminated, truncated, info = env.step(policy(obs))
         total += float(reward)
         length += 1
         cut = length >= max_episode_steps and not (terminated or truncated)
@@ -248,17 +293,6 @@ def play(policy: NumpyPolicy, env: Any, *, seed: int, record: bool = False,
         step = math.ceil(len(frames) / max_frames)
         frames = frames[::step] + ([frames[-1]] if (len(frames) - 1) % step else [])
     return Episode(total, length, frames, _score(info), cut)
-
-
-def _import_env_dir(run_dir: RunDir) -> None:
-    """Put the run's ``--env-dir`` (from config.json) first on ``sys.path``, as ``up`` put it on the groups'
-    PYTHONPATH, so a ``module:EnvId`` from the user's own modules can be made here too."""
-    import sys
-
-    cfg = read_json(run_dir.files.config) or {}
-    env_dir = cfg.get("env_dir")
-    if isinstance(env_dir, str) and Path(env_dir).is_dir() and env_dir not in sys.path:
-        sys.path.insert(0, env_dir)
 
 
 def _score(info: Any) -> float | None:
@@ -315,11 +349,14 @@ def write_gif(frames: Sequence[np.ndarray], path: Path, *, fps: float) -> int:
 
 def evaluate(run_dir: RunDir, *, episodes: int = 10, checkpoint: str = "final", seed: int = DEFAULT_SEED,
              gif: Path | None = None, gif_max_frames: int = DEFAULT_GIF_MAX_FRAMES,
-             max_episode_steps: int = DEFAULT_MAX_EPISODE_STEPS) -> dict[str, Any]:
+             max_episode_steps: int = DEFAULT_MAX_EPISODE_STEPS, code: str | None = None,
+             env_dir: Path | None = None, env: str | None = None) -> dict[str, Any]:
     """Play ``episodes`` greedy episodes with the run's policy; the ``launcher.eval/v1`` document.
 
     Episode ``i`` is reset with ``seed + i``. With ``gif``, episode 0 is played on a rendering env and its
     frames written there (at most ``gif_max_frames``, evenly thinned; the frame time keeps real speed).
+    ``env``: the env to make instead of the one the run's record names (``--env``); ``env_dir``: the user's env
+    modules (``--env-dir``). Nothing is imported from the run's results.
 
     Raises:
         BadInput: bad arguments or missing weights; MissingDependency: no renderer for ``gif``.
@@ -330,11 +367,13 @@ def evaluate(run_dir: RunDir, *, episodes: int = 10, checkpoint: str = "final", 
     if episodes < 1:
         raise BadInput(f"--episodes must be >= 1, got {episodes}")
     started = time.monotonic()
-    spec = run_spec(run_dir)
-    env_id = str(spec["env_id"])
-    env_args = dict(spec.get("env_args") or {})
-    _import_env_dir(run_dir)
-    loaded = load_weights(run_dir, checkpoint)
+    spec, env_id = run_spec(run_dir, env)  # launcher.eval_env: the record's env, or --env
+    saved_args = spec.get("env_args")
+    env_args: dict[str, Any] = dict(saved_args) if isinstance(saved_args, dict) else {}
+    drop_run_paths(run_dir)
+    import_env_dir(run_dir, env_dir)
+    check_env(env_id, env_args)
+    loaded = load_weights(run_dir, checkpoint, code=code)
     policy = loaded.policy()
     if max_episode_steps < 1:
         raise BadInput(f"--max-episode-steps must be >= 1, got {max_episode_steps}")
@@ -343,7 +382,7 @@ def evaluate(run_dir: RunDir, *, episodes: int = 10, checkpoint: str = "final", 
     if gif is not None:
         renv = make_render_env(env_id, seed, env_args)
         try:
-            ep = play(policy, renv, seed=seed, record=True, max_frames=gif_max_frames, norm=loaded.norm,
+            ep = play(policy, renv, seed=seed, record=True, max_frames=gif_max_frames,
                       max_episode_steps=max_episode_steps)
             fps = float(renv.metadata.get("render_fps") or 30) * len(ep.frames) / max(ep.length + 1, 1)
         finally:
@@ -351,12 +390,12 @@ def evaluate(run_dir: RunDir, *, episodes: int = 10, checkpoint: str = "final", 
         played.append(ep)
         count = write_gif(ep.frames, gif, fps=fps)
         gif_doc = {"path": str(gif.resolve()), "frames": count, "episode": 0}
-    env = make_env(env_id, seed=seed, **env_args)
+    play_env = make_env(env_id, seed=seed, **env_args)
     try:
         for i in range(len(played), episodes):
-            played.append(play(policy, env, seed=seed + i, norm=loaded.norm, max_episode_steps=max_episode_steps))
+            played.append(play(policy, play_env, seed=seed + i, max_episode_steps=max_episode_steps))
     finally:
-        env.close()
+        play_env.close()
     returns = [ep.ret for ep in played]
     scores = [ep.score for ep in played]
     have_scores = all(sc is not None for sc in scores)
@@ -364,7 +403,7 @@ def evaluate(run_dir: RunDir, *, episodes: int = 10, checkpoint: str = "final", 
     return {
         "schema": EVAL_SCHEMA, "run_id": run_dir.run_id, "env_id": env_id, "algo": spec.get("algo"),
         "checkpoint": loaded.checkpoint, "weights_from": loaded.source, "episodes": episodes, "seed": seed,
-        "greedy": True, "returns": returns, "lengths": [ep.length for ep in played],
+        "greedy": True, "acting": "numpy" if loaded.doc.program is not None else "tensorflow", "returns": returns, "lengths": [ep.length for ep in played],
         "scores": scores if have_scores else None,
         "mean_score": statistics.fmean(sc for sc in scores if sc is not None) if have_scores else None,
         "cut_at_max_steps": sum(ep.cut for ep in played), "max_episode_steps": max_episode_steps,
@@ -395,4 +434,5 @@ def format_report(doc: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["LoadedPolicy", "architecture_of", "evaluate", "format_report", "load_weights", "play", "write_gif"]
+__all__ = ["GreedyPolicy", "LoadedPolicy", "evaluate", "format_report", "load_weights", "play", "policy_doc",
+           "write_gif"]

@@ -23,20 +23,21 @@ from pathlib import Path
 from typing import Any
 
 from launcher import backends
-from launcher.backends.base import DownReport, FoundRun, Part
+from launcher.backends.base import DownReport, FoundRun, Part, name_order
 from launcher.errors import BadInput
 from launcher.procs import belongs, holds_flock, send_signal, wait_gone
-from launcher.runs import RunDir, find_run, list_runs, owner_uid_gid
+from launcher.runs import RunDir, error_line, find_run, list_runs, owner_uid_gid
 from launcher import safefs
+from launcher.rundata import status_doc, summary_doc
 from launcher.safefs import read_json_at
+from launcher.runstate import Seen, derive_state
 from worker.contract import LOGS_DIR
+from worker.ending import Outcome, RunState, last_fatal
 
 log = logging.getLogger(__name__)
 
-LIVE_STATES = ("preparing", "starting", "running", "stopping")
-
 __all__ = ["DownReport", "RunView", "down_all", "down_run", "follow_logs", "log_files", "log_target_name",
-           "read_logs", "view_run", "view_runs"]
+           "observe", "read_logs", "view_run", "view_runs"]
 
 
 @dataclass
@@ -46,12 +47,14 @@ class RunView:
     run_id: str
     path: Path | None
     backend: str
-    state: str  # the record's state, or ``stale`` when it says live and nothing runs
+    state: RunState  # as launcher.runstate.derive_state says
     parts: list[Part] = field(default_factory=list)
     status: dict[str, Any] = field(default_factory=dict)  # the master's status.json
     summary: dict[str, Any] = field(default_factory=dict)
     note: str = ""
     gpu_watch: dict[str, Any] = field(default_factory=dict)  # run.json's: foreign processes on its GPUs
+    outcome: Outcome | None = None  # the master's, once the run ended
+    part_errors: dict[str, str] = field(default_factory=dict)  # what a part that stopped raised last, by name
 
     @property
     def live(self) -> bool:
@@ -62,15 +65,18 @@ class RunView:
         groups = s.get("groups") or {}
         return {
             "schema": "launcher.run-status/v1", "run_id": self.run_id, "results": str(self.path or ""),
-            "backend": self.backend, "state": self.state, "live": self.live, "note": self.note,
-            "parts": [p.to_dict() for p in self.parts],
+            "backend": self.backend, "state": self.state.value, "live": self.live, "note": self.note,
+            "parts": [{**p.to_dict(), **({"error": self.part_errors[p.name]} if p.name in self.part_errors else {})}
+                      for p in self.parts],
             "env_steps": s.get("env_steps", self.summary.get("env_steps")),
             "env_steps_per_s": s.get("env_steps_per_s"), "updates": s.get("updates", self.summary.get("updates")),
             "mean_return": s.get("mean_return", self.summary.get("mean_return")),
             "episodes_in_window": s.get("episodes_in_window"),
             "groups_connected": sum(1 for g in groups.values() if g.get("connected")), "groups": len(groups),
             "workers_connected": sum(g.get("workers", 0) for g in groups.values() if g.get("connected")),
-            "outcome": self.summary.get("outcome"),
+            "outcome": None if self.outcome is None else self.outcome.value,
+            # What ended a failed run (summary.json's error: type, message, where), printable text only.
+            "error": error_line(self.summary.get("error")),
             "foreign_processes": self.gpu_watch.get("foreign_processes", []),
         }
 
@@ -97,32 +103,63 @@ def opened(root: Path, run: str) -> Iterator[FoundRun]:
         found.close()
 
 
+def observe(found: FoundRun, parts: list[Part] | None = None) -> Seen:
+    """What the run's backend system and this host's process table say of ``found`` now (``parts``: its parts,
+    when the caller asked for them already)."""
+    if parts is None:
+        parts = found.parts()
+    if found.unreachable:
+        return Seen(unreachable=f"cannot ask {found.system}: {found.unreachable}")
+    master = next((p for p in parts if p.name == "master"), None)
+    record = found.record
+    start = record.get("launcher_start")
+    launcher_alive = belongs(int(record.get("launcher_pid") or 0), "launcher",
+                             start=start if isinstance(start, int) else None, owner_uid=None, leader=False)
+    return Seen(parts_alive=any(p.state.alive for p in parts), launcher_alive=launcher_alive,
+                master_exit=master.exit_code if master is not None and not master.state.alive else None)
+
+
 def view_run(found: FoundRun) -> RunView:
-    """What a found run is doing now: its record, the master's status and the backend's parts."""
+    """What a found run is doing now: its record, the master's status and the backend's parts, its state as
+    :func:`launcher.runstate.derive_state` says."""
     rd, record = found.run_dir, found.record
     backend = str(record.get("backend", found.backend))
-    view = RunView(found.run_id, rd.path if rd else None, backend, str(record.get("state", "unknown")),
+    view = RunView(found.run_id, rd.path if rd else None, backend, RunState.UNKNOWN,
                    gpu_watch=record.get("gpu_watch") or {})
     if rd is not None:
-        view.status = read_json_at(rd.files.status) or {}
-        view.summary = read_json_at(rd.files.summary) or {}
+        # Written by the run's containers: typed and printable before anything is shown (launcher.rundata).
+        view.status = status_doc(read_json_at(rd.files.status))
+        view.summary = summary_doc(read_json_at(rd.files.summary))
     view.parts = found.parts()
-    if found.unreachable:
-        view.note = f"cannot ask the Docker engine: {found.unreachable}"
-        return view
-    master = next((p for p in view.parts if p.name == "master"), None)
-    if view.state in LIVE_STATES and master is not None and not master.state.alive and master.exit_code:
-        # Groups may still be retrying (and restarting) while nobody serves them.
-        view.state = "failed"
-        view.note = (f"the master exited with code {master.exit_code}; `launcher down {found.run_id}` then "
-                     f"`launcher up --resume {found.run_id}` continues from the last checkpoint")
-    elif view.state in LIVE_STATES and not view.live:
-        if record.get("detached") and view.parts:
-            view.state = "ended"  # a detached run's containers exit when it is done; `down` removes them
-        else:
-            view.note = f"run.json says {view.state!r} but nothing of it is running (the launcher was killed?)"
-            view.state = "stale"
+    derived = derive_state(found.run_id, record, view.summary, observe(found, view.parts))
+    view.state, view.outcome, view.note = derived.state, derived.outcome, derived.note
+    if not found.unreachable:
+        view.part_errors = part_errors(found, view.parts)
     return view
+
+
+FATAL_TAIL_BYTES = 64 * 1024  # a part's fatal line is its last: this much of the end of its log is read
+
+
+def part_errors(found: FoundRun, parts: list[Part]) -> dict[str, str]:
+    """What each part that stopped other than cleanly raised last, as ``Type: message (in where)``, by part
+    name: the fatal line it wrote last in its log (:func:`worker.ending.fatal_line`), from the backend while the
+    part exists, else the kept ``logs/`` file. A group has no results directory: this is how its root cause
+    reaches ``launcher status``."""
+    out = {}
+    for p in parts:
+        if p.state.alive or p.exit_code == 0:
+            continue
+        data = found.logs(p.name)
+        if data is None and found.run_dir is not None:
+            try:
+                data = safefs.read_tail(found.run_dir.path, f"{LOGS_DIR}/{p.name}.log", max_bytes=FATAL_TAIL_BYTES)
+            except OSError:  # no log kept, or not a file to trust (safefs.UnsafeFile)
+                data = None
+        error = error_line(last_fatal(data[-FATAL_TAIL_BYTES:].decode(errors="replace"))) if data else None
+        if error:
+            out[p.name] = error
+    return out
 
 
 def view_runs(root: Path, *, run: str | None = None) -> list[RunView]:
@@ -184,9 +221,18 @@ def down_run(root: Path, run: str, *, grace_s: float = 8.0) -> DownReport:
         report = DownReport(found.run_id, str(rd.path) if rd else "")
         report.launcher_signalled = _stop_launcher(found.record, grace_s, rd)
         found.down(report, grace_s=grace_s)
+        if found.backend not in backends.LABEL_BACKENDS:
+            # Containers are found by the engine's labels whatever the record says: a legacy record sat in the
+            # results, where the run's own master could rewrite its backend to hide from `down`.
+            labelled = backends.labelled(found.run_id, rd)
+            if labelled is not None:
+                try:
+                    labelled.down(report, grace_s=grace_s)
+                finally:
+                    labelled.close()
         if rd is not None and report.removed_anything and not report.launcher_signalled:
-            if str(found.record.get("state")) in LIVE_STATES:
-                rd.update_record(state="interrupted", message="stopped by `launcher down`", ended=time.time())
+            if RunState.parse(found.record.get("state")).live:
+                rd.update_record(state=RunState.INTERRUPTED.value, message="stopped by `launcher down`", ended=time.time())
         return report
 
 
@@ -211,7 +257,7 @@ def log_files(rd: RunDir) -> dict[str, Path]:
     if d.is_symlink() or not d.is_dir():  # a link planted by a container is not followed (launcher.safefs)
         return {}
     files = {p.stem: p for p in d.glob("*.log")}
-    return dict(sorted(files.items(), key=lambda kv: (kv[0] != "master", len(kv[0]), kv[0])))
+    return dict(sorted(files.items(), key=lambda kv: name_order(kv[0])))
 
 
 def read_logs(root: Path, run: str, part: str | None) -> Iterator[tuple[str, bytes]]:

@@ -76,14 +76,18 @@ def belongs(pid: int, marker: str, *, start: int | None, owner_uid: int | None, 
 
     Args:
         marker: a string its command line must contain (the run id, or ``launcher``).
-        start: the start time the run record gave for it (None: a record from before it was kept).
+        start: the start time the run record gave for it. None (a record without one: from before start times
+            were kept, or rewritten by someone) is never enough: only the command line would be left to go by,
+            and any process of the user that mentions the run (``tensorboard --logdir results/RUN``) has that.
         owner_uid: the uid it must run as (the run directory's owner); None: any.
         leader: it must lead its own process group (it is signalled with ``killpg``).
     """
+    if start is None:
+        return False
     info = proc_info(pid)
     if info is None or info.state == "Z" or not running(pid, marker):
         return False
-    if start is not None and info.start_ticks != start:
+    if info.start_ticks != start:
         return False  # the pid was recycled, or the record is forged
     if owner_uid is not None and info.uid != owner_uid:
         return False

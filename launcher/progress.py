@@ -26,8 +26,10 @@ import json
 import re
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import IO, Any, Callable, Sequence
+
+from launcher.rundata import status_doc
 
 
 PLAIN_FORMAT_VERSION = 1
@@ -161,7 +163,9 @@ class Tracker:
             self.plan = data.get("plan")
             self.run_id = data.get("run_id")
         elif kind == "status":
-            self.status = data.get("status") or {}
+            # status.json is the run's to write: a field of the wrong type is dropped here, so no reporter
+            # (and no supervisor loop behind it) can be ended by "mean_return": "x" (launcher.rundata).
+            self.status = status_doc(data.get("status"))
             self.backend = data.get("backend")
             self.restarts = {int(k): v for k, v in (data.get("restarts") or {}).items()}
             mean = self.status.get("mean_return")
@@ -212,7 +216,8 @@ class Tracker:
                 state = "connecting" if (b is not None or m) else "starting"
             plan_g = planned.get(i)
             rows.append(GroupRow(
-                index=i, state=state, gpu=_gpu_label(plan_g.share if plan_g else None),
+                index=i, state=state, gpu=(b.gpus if b is not None and b.gpus else  # Slurm: what the step got
+                                           _gpu_label(plan_g.share if plan_g else None)),
                 workers=m.get("workers", plan_g.workers if plan_g else None), env_steps=m.get("env_steps"),
                 env_steps_per_s=m.get("env_steps_per_s"), recent_return=m.get("mean_return"),
                 restarts=self.restarts.get(i, b.restarts if b is not None else 0)))
@@ -364,7 +369,7 @@ class PlainReporter:
                                "exit_code": data.get("exit_code"), "mean_return": s.get("mean_return"),
                                "best_return": s.get("best_mean_return"), "steps": s.get("env_steps"),
                                "updates": s.get("updates"), "wall_s": data.get("wall_s"),
-                               "message": data.get("message")})
+                               "message": data.get("message"), "error": data.get("error")})
 
     def emit_progress(self) -> None:
         self._unshown = False
@@ -403,14 +408,13 @@ def make_reporter(stream: IO[str] | None = None, *, interactive: bool | None = N
             interactive = stream.isatty() and os.environ.get("TERM", "") != "dumb"
         mode = "live" if interactive else "plain"
     if mode == "live":
+        # A deliberate import cycle: progress_live draws this module's Snapshot with its Tracker, and this one
+        # picks the reporter, so each needs the other. Keep this import inside the function (done only when a
+        # live view is asked for): at module level the two would import each other half-initialised.
         from launcher.progress_live import LiveReporter
 
         return LiveReporter(stream)
     return PlainReporter(stream, interval_s)
-
-
-def snapshot_dict(snap: Snapshot) -> dict[str, Any]:
-    return asdict(snap)
 
 
 __all__ = ["GroupRow", "GpuRow", "NullReporter", "PlainReporter", "Snapshot", "Tracker", "build_fields", "estimate",

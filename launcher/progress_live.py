@@ -2,6 +2,9 @@
 and, while a missing image builds before the start, the build's phase, step and latest line.
 
 It shows the same :class:`~launcher.progress.Snapshot` the plain lines print (:mod:`launcher.progress`).
+The two import each other on purpose: this module imports :mod:`launcher.progress` at its top, and
+:func:`launcher.progress.make_reporter`, the one place that picks a reporter, imports this one inside the
+function when a live view is asked for (at the top of both, each would find the other half-initialised).
 """
 
 from __future__ import annotations
@@ -115,6 +118,11 @@ class LiveReporter:
             self._say(f"run {data['run_id']} -> {data['results']}")
         elif kind == "status":
             self.live.update(self.render())
+        elif kind == "result":  # the last line under the table: how the run ended and, if it failed, why
+            self.live.update(self.render())
+            self.live.stop()  # the final table stays where it is; the line goes below it (close() stops nothing more)
+            message, error = str(data.get("message") or ""), data.get("error")
+            self._say(f"{data.get('state')}: {message}" + (f" (raised {error})" if error and error not in message else ""))
 
     def _say(self, message: str) -> None:
         """A message above the live table, with the time (rich's ``log`` would add our source path)."""

@@ -6,16 +6,21 @@ longer leased by anyone. The reaper is a tiny process (``python -m launcher.reap
 only) in its own session; the launcher writes ``<pgid> <start ticks>`` to its stdin for every child it
 starts. When stdin ends (the launcher exited, however it died) it waits ``GRACE_S`` seconds, then SIGKILLs
 each recorded process group whose leader is still the process that was recorded (same pid *and* start time,
-so a recycled pid is never signalled). A line ``done`` (the launcher stopped its children itself) makes it
-exit at once.
+so a recycled pid is never signalled). A line ``run ["cmd", "arg", ...]`` (JSON) names a command to run after
+that, with a deadline (the Slurm backend's ``scancel JOB``: a job left holding its nodes when its launcher died).
+A line ``done`` (the launcher stopped its children itself) makes it exit at once.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
 import sys
 import time
+
+RUN_TIMEOUT_S = 30.0  # each `run` command's deadline
 
 
 def start_ticks(pid: int) -> int | None:
@@ -31,6 +36,17 @@ def start_ticks(pid: int) -> int | None:
         return int(rest[19])
     except (IndexError, ValueError):
         return None
+
+
+def parse_run(line: str) -> list[str] | None:
+    """The command of a ``run [...]`` line; None for anything else."""
+    if not line.startswith("run "):
+        return None
+    try:
+        argv = json.loads(line[4:])
+    except ValueError:
+        return None
+    return [str(a) for a in argv] if isinstance(argv, list) and argv else None
 
 
 def parse(line: str) -> tuple[int, int] | None:
@@ -65,16 +81,28 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C meant for the launcher; its own end is stdin's EOF
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     groups: dict[int, int] = {}
+    commands: list[list[str]] = []
     for line in sys.stdin:
         if line.strip() == "done":
             return 0
         entry = parse(line)
         if entry is not None:
             groups[entry[0]] = entry[1]
+        else:
+            command = parse_run(line.strip())
+            if command is not None:
+                commands.append(command)
     killed = reap(groups, grace_s)
     if killed:
         print(f"launcher reaper: SIGKILLed process group(s) {killed}: still running {grace_s:g} s after their "
               f"launcher died", file=sys.stderr)
+    for command in commands:
+        try:
+            done = subprocess.run(command, stdin=subprocess.DEVNULL, capture_output=True, timeout=RUN_TIMEOUT_S)
+            print(f"launcher reaper: ran {' '.join(command)} (exit {done.returncode}) after the launcher died",
+                  file=sys.stderr)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            print(f"launcher reaper: {' '.join(command)} failed: {exc}", file=sys.stderr)
     return 0
 
 

@@ -19,6 +19,7 @@ handle I/O errors keep working) whose message names the file and what was wrong 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
@@ -33,7 +34,9 @@ log = logging.getLogger(__name__)
 
 MAX_JSON_BYTES = 8 * 1024 * 1024  # status.json, run.json, summary.json, spec.json: a few KiB in practice
 MAX_LOG_BYTES = 64 * 1024 * 1024  # what `launcher logs` reads of one kept log (its end)
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+# O_PATH: a directory is walked, never read, so one the caller may search but not list (the lease store's
+# ``holders/``, mode 1733) can be walked too.
+_DIR_FLAGS = os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _FILE_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
 
 
@@ -60,7 +63,7 @@ def _parts(rel: str | Path) -> list[str]:
 def _open_dir_chain(root: Path, parts: list[str], *, create: bool) -> int:
     """A descriptor of ``root/parts...`` (directories), each step with ``O_NOFOLLOW``; ``create``: make
     missing ones (mode 0755)."""
-    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    fd = os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         for name in parts:
             try:
@@ -138,14 +141,21 @@ def _kind(mode: int) -> str:
     return "not a regular file"
 
 
-def read_bytes(root: Path, rel: str | Path, *, max_bytes: int = MAX_JSON_BYTES) -> bytes:
-    """The whole of ``root/rel``, a regular file of at most ``max_bytes`` bytes.
+def read_bytes(root: Path, rel: str | Path, *, max_bytes: int = MAX_JSON_BYTES,
+               owner_uid: int | None = None) -> bytes:
+    """The whole of ``root/rel``, a regular file of at most ``max_bytes`` bytes (owned by ``owner_uid``, when
+    given). Everything is checked on the open descriptor before the first read, so a FIFO, a device, a huge
+    sparse file or another user's file costs one ``open`` and one ``fstat``, never a blocked or unbounded read.
 
-    Raises: FileNotFoundError; UnsafeFile (see :func:`open_beneath`, or larger than ``max_bytes``).
+    Raises: FileNotFoundError; UnsafeFile (see :func:`open_beneath`, larger than ``max_bytes``, or owned by
+    another uid).
     """
     fd = open_beneath(root, rel, os.O_RDONLY)
     with os.fdopen(fd, "rb") as fh:
-        size = os.fstat(fd).st_size
+        st = os.fstat(fd)
+        size = st.st_size
+        if owner_uid is not None and st.st_uid != owner_uid:
+            raise UnsafeFile(root / rel, f"owned by uid {st.st_uid}, not by uid {owner_uid}")
         if size > max_bytes:
             raise UnsafeFile(root / rel, f"{size} bytes, more than the {max_bytes} the launcher reads")
         data = fh.read(max_bytes + 1)
@@ -222,11 +232,50 @@ def open_append(root: Path, rel: str | Path, *, owner: tuple[int, int] | None = 
     return fd
 
 
-def append(root: Path, rel: str | Path, data: bytes, *, owner: tuple[int, int] | None = None) -> None:
-    """Append ``data`` to ``root/rel`` through :func:`open_append` (never through a planted link)."""
+def append(root: Path, rel: str | Path, data: bytes, *, owner: tuple[int, int] | None = None,
+           cap_bytes: int | None = None) -> None:
+    """Append ``data`` to ``root/rel`` through :func:`open_append` (never through a planted link).
+
+    ``cap_bytes``: the file never grows past about this size: when ``data`` would take it there, what it holds
+    is first copied to ``<rel>.1`` (replacing an older copy) and it starts again, and of a ``data`` larger than
+    the cap only its end is kept; a line saying so marks each cut.
+    """
     fd = open_append(root, rel, owner=owner)
     with os.fdopen(fd, "ab") as fh:
+        if cap_bytes is not None:
+            size = os.fstat(fd).st_size
+            if size and size + len(data) > cap_bytes:
+                _keep_aside(root, rel, fd, owner)
+                os.ftruncate(fd, 0)
+                fh.write(f"--- launcher: {Path(rel).name} passed {cap_bytes} bytes; the earlier part is in "
+                         f"{Path(rel).name}.1 ---\n".encode())
+            if len(data) > cap_bytes:
+                fh.write(f"--- launcher: the first {len(data) - cap_bytes} bytes of this part left out ---\n".encode())
+                data = data[-cap_bytes:]
         fh.write(data)
+
+
+def _keep_aside(root: Path, rel: str | Path, fd: int, owner: tuple[int, int] | None) -> None:
+    """Copy ``root/rel`` (open for appending as ``fd``) to ``root/<rel>.1``, both through :func:`open_beneath`."""
+    src = out = None
+    try:
+        src = open_beneath(root, rel, os.O_RDONLY)
+        if os.fstat(src).st_ino != os.fstat(fd).st_ino:
+            raise UnsafeFile(root / rel, "replaced while being kept aside")
+        out = open_beneath(root, f"{rel}.1", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        if owner is not None:
+            with contextlib.suppress(OSError):
+                os.fchown(out, *owner)
+        offset = 0
+        while chunk := os.pread(src, 1 << 20, offset):
+            os.write(out, chunk)
+            offset += len(chunk)
+    except OSError as exc:  # the cap holds anyway: the earlier part is lost rather than kept
+        log.warning("cannot keep the earlier part of %s: %s", root / rel, exc)
+    finally:
+        for d in (src, out):
+            if d is not None:
+                os.close(d)
 
 
 def distrust(path: Path, owner_uid: int | None = None) -> str | None:
@@ -251,6 +300,75 @@ def distrust(path: Path, owner_uid: int | None = None) -> str | None:
     return None
 
 
+MAX_CHOWN_DEPTH = 32  # directory levels below the top that chown_tree descends (a run directory has ~4)
+
+
+def chown_tree(top: Path, uid: int, gid: int) -> list[str]:
+    """Give ``top`` and everything below it to ``uid``:``gid`` (like ``chown -R``), as root, without ever
+    changing a file outside the tree.
+
+    Root acting on a tree a user can write must not chown by path: a directory swapped for a symbolic link
+    mid-walk would redirect every later path (``follow_symlinks=False`` guards only the last component), and a
+    hard link would hand over the file it links to (``/etc/shadow`` from the same file system). So the walk
+    holds a descriptor of each directory, opened relative to its parent with ``O_NOFOLLOW`` (a swapped-in
+    link fails to open and is skipped), opens each entry with ``O_PATH|O_NOFOLLOW`` relative to that
+    descriptor and changes the owner of what it opened, after ``fstat`` says it is a directory, or a file with
+    exactly one link. Symbolic links themselves are left as they are.
+
+    Returns: what was skipped and why, one line each, for a warning (empty when everything was given).
+    """
+    skipped: list[str] = []
+    try:
+        fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        return [f"{top}: cannot open it as a directory ({exc.strerror})"]
+    _chown_dir(fd, top, uid, gid, 0, skipped)
+    return skipped
+
+
+def _chown_dir(fd: int, shown: Path, uid: int, gid: int, depth: int, skipped: list[str]) -> None:
+    """Give the directory ``fd`` and its entries away, then close ``fd``."""
+    try:
+        os.fchown(fd, uid, gid)
+        if depth >= MAX_CHOWN_DEPTH:
+            skipped.append(f"{shown}: more than {MAX_CHOWN_DEPTH} levels deep; its entries are left as they are")
+            return
+        for name in os.listdir(fd):
+            try:
+                efd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            except OSError as exc:
+                skipped.append(f"{shown / name}: {exc.strerror}")
+                continue
+            try:
+                st = os.fstat(efd)
+                if stat.S_ISLNK(st.st_mode):
+                    continue  # never followed; the link's own owner does not matter
+                if stat.S_ISDIR(st.st_mode):
+                    try:  # opened again to list it; a directory swapped for a link since fails here
+                        dfd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+                    except OSError as exc:
+                        skipped.append(f"{shown / name}: {exc.strerror}")
+                        continue
+                    if os.fstat(dfd).st_ino != st.st_ino:
+                        os.close(dfd)
+                        skipped.append(f"{shown / name}: replaced while being walked")
+                        continue
+                    _chown_dir(dfd, shown / name, uid, gid, depth + 1, skipped)
+                elif st.st_nlink > 1:
+                    skipped.append(f"{shown / name}: has {st.st_nlink} hard links (it may be another file's)")
+                else:
+                    # An O_PATH descriptor cannot be fchown()ed; its /proc/self/fd entry names the same inode.
+                    os.chown(f"/proc/self/fd/{efd}", uid, gid)
+            except OSError as exc:
+                skipped.append(f"{shown / name}: {exc.strerror}")
+            finally:
+                os.close(efd)
+    except OSError as exc:
+        skipped.append(f"{shown}: {exc.strerror}")
+    finally:
+        os.close(fd)
+
+
 def size_of(root: Path, rel: str | Path) -> int:
     """The size in bytes of the regular file ``root/rel``; 0 when it is missing or not one."""
     try:
@@ -263,6 +381,5 @@ def size_of(root: Path, rel: str | Path) -> int:
         os.close(fd)
 
 
-__all__ = ["MAX_JSON_BYTES", "MAX_LOG_BYTES", "UnsafeFile", "append", "distrust", "load_json", "open_append",
-           "open_beneath",
-           "open_read", "read_bytes", "read_json", "read_json_at", "read_tail", "size_of"]
+__all__ = ["MAX_JSON_BYTES", "MAX_LOG_BYTES", "UnsafeFile", "append", "chown_tree", "distrust", "load_json",
+           "open_append", "open_beneath", "open_read", "read_bytes", "read_json", "read_json_at", "read_tail", "size_of"]

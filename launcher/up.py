@@ -15,12 +15,13 @@ from typing import Any, Callable
 
 from launcher import config as config_mod
 from launcher.backends import backend_class
-from launcher.backends.base import Backend, PreparedRun
+from launcher.backends.base import Backend, PreparedRun, host_plan
 from launcher.config import RunConfig
 from launcher.errors import BadInput, ExitCode, LauncherError
 from launcher.gpu.placement import Plan
-from launcher.runs import claim_live, create_run_dir, find_run, new_run_id, new_secret
+from launcher.runs import claim_live, copy_to_results, create_run_dir, find_run, new_run_id, new_secret
 from launcher.supervisor import RunResult, RunState, StopSignal, supervise
+from launcher.usercode import user_code
 from launcher.procs import launcher_record
 from launcher.safefs import read_json_at
 from worker.results import atomic_write_json, atomic_write_text
@@ -53,22 +54,16 @@ def make_backend(name: str, cfg: RunConfig, *,
 def build_spec(cfg: RunConfig, plan: Plan, run_id: str, results_dir: Path) -> RunSpec:
     groups = tuple(GroupAssignment(index=g.index, workers=g.workers, gpu=g.share.on_gpu,
                                    memory_limit_bytes=g.share.memory_limit_bytes) for g in plan.groups)
-    return RunSpec(run_id=run_id, env_id=cfg.env_id, algo=cfg.algo, seed=cfg.seed, max_steps=cfg.max_steps,
+    code = user_code(cfg)
+    return RunSpec(run_id=run_id, env_id=cfg.env_id, algo=code.algo, model=code.model, acting=cfg.acting,
+                   seed=cfg.seed, max_steps=cfg.max_steps,
                    until_return=cfg.until_return, return_window=cfg.return_window, master_host="127.0.0.1",
                    master_port=cfg.port, connect_host="127.0.0.1", results_dir=str(results_dir.resolve()),
-                   checkpoint_every=cfg.effective_checkpoint_every, hparams=dict(cfg.hparams),
+                   checkpoint_every=cfg.checkpoint_every, hparams=dict(cfg.hparams),
                    env_args=dict(cfg.env_args), groups=groups)
 
 
-def make_plan(cfg: RunConfig, run_id: str, *, cpu_count: int | None = None,
-              report: Callable[[str], None] | None = None) -> tuple[Plan, Any]:
-    """Select and lease GPUs (if any) and plan, within the site policy: one call into :mod:`launcher.gpu`.
-    Returns (plan, reservation or None); ``plan.reasons`` says where the policy limited the run."""
-    from launcher import gpu
-
-    outcome = gpu.plan_and_reserve(config_mod.gpu_request(cfg), run_id=run_id,
-                                   cpu_count=cpu_count or os.cpu_count() or 1, report=report)
-    return outcome.plan, outcome.reservation
+make_plan = host_plan  # `launcher up`'s planning step on this host (the backends' default make_plan), by its old name
 
 
 def prepare(cfg: RunConfig, stack: ExitStack, *, report: Callable[[str], None] | None = None,
@@ -77,9 +72,10 @@ def prepare(cfg: RunConfig, stack: ExitStack, *, report: Callable[[str], None] |
     files. Returns (run, backend name). ``on_event`` hears of an image build the env check needs first."""
     config_mod.check(cfg)
     backend_name, why = choose_backend(cfg.backend)
-    if cfg.detach and not backend_class(backend_name).outlives_launcher:
-        raise BadInput(f"--detach needs the docker backend ({why}): local processes die with the launcher",
-                       hint="add --backend docker (an engine must answer), or leave out --detach")
+    chosen = backend_class(backend_name)
+    if cfg.detach and not chosen.outlives_launcher:
+        raise BadInput(f"--detach needs the docker backend ({why}): the {backend_name} backend's processes die with "
+                       f"the launcher", hint=chosen.detach_hint)
     if cfg.resume:
         run_dir = find_run(cfg.results, cfg.resume)
         run_id = run_dir.run_id
@@ -87,7 +83,7 @@ def prepare(cfg: RunConfig, stack: ExitStack, *, report: Callable[[str], None] |
     else:
         run_id = new_run_id(cfg.env_id, cfg.algo)
         run_dir = None
-    plan, reservation = make_plan(cfg, run_id, report=report)  # report: --wait's queue lines
+    plan, reservation = chosen.make_plan(cfg, run_id, report=report)  # report: --wait's queue lines
     if reservation is not None:
         stack.callback(reservation.release)
     preflight(backend_name, plan)
@@ -99,21 +95,50 @@ def prepare(cfg: RunConfig, stack: ExitStack, *, report: Callable[[str], None] |
         stack.callback(os.close, claim_live(run_dir))
     spec = build_spec(cfg, plan, run_id, run_dir.path)
     files = run_dir.files
+    config_doc = {"schema": "launcher.config/v1", **cfg.to_dict(), "backend_chosen": backend_name, "backend_reason": why}
+    plan_doc = {"schema": "launcher.plan/v1", **plan.to_dict()}
     try:
-        atomic_write_json(files.config, {"schema": "launcher.config/v1", **cfg.to_dict(),
-                                         "backend_chosen": backend_name, "backend_reason": why})
-        atomic_write_json(files.plan, {"schema": "launcher.plan/v1", **plan.to_dict()})
+        run_dir.make_host()  # a legacy run being resumed gets its records now, from this launcher's values only
+        # The launcher's records, where no container of the run can write; then copies in the results for the
+        # user's tools (best effort: a resumed run's results are what its containers left) and the process
+        # backend's --spec (needed). The host never reads the copies back.
+        atomic_write_json(run_dir.config, config_doc)
+        atomic_write_json(run_dir.plan, plan_doc)
+        atomic_write_text(run_dir.spec, spec.to_json() + "\n")
+        copy_to_results(files.config, config_doc)
+        copy_to_results(files.plan, plan_doc)
         atomic_write_text(files.spec, spec.to_json() + "\n")
         (files.logs).mkdir(exist_ok=True)
+        # A resumed run has no outcome until its master writes one: the last one's would make a resumed run whose
+        # launcher is killed before its master ends read as ended the old way (launcher.runstate.derive_state).
+        files.summary.unlink(missing_ok=True)
         run_dir.update_record(run_id=run_id, env_id=cfg.env_id, algo=cfg.algo, workers=cfg.workers,
                               backend=backend_name, resumed=bool(cfg.resume), results=str(run_dir.path))
     except OSError as exc:  # a full or failing file system: say so, and leave no half-made run behind
         if created:
             shutil.rmtree(run_dir.path, ignore_errors=True)
+            shutil.rmtree(run_dir.host, ignore_errors=True)
         raise BadInput(f"cannot write the run's files in {run_dir.path}: {exc.strerror or exc}",
                        hint="free space on that file system, or choose another --results root") from None
     return PreparedRun(config=cfg, plan=plan, spec=spec, run_dir=run_dir, secret=new_secret(),
                        reservation=reservation), why
+
+
+def hparam_help(cfg: RunConfig) -> str:
+    """``launcher up --set help``: the algorithm's hyper-parameters, their values for ``cfg``'s env (with the
+    other ``--set`` values applied) and their docs, from the pre-flight probe on this host's Python (the user's
+    code is imported there, as the process backend would). Raises what the probe refuses (exit 2 or 6)."""
+    import sys
+
+    from launcher.backends import envcheck
+    from worker.algorithms.hparams import help_text
+
+    probe = envcheck.probe_on_host(cfg, sys.executable)
+    if not probe.ok:
+        raise envcheck.refusal(cfg, probe, containers=False)
+    algo = probe.algo
+    return help_text(f"{cfg.algo} ({algo.get('class')})", algo.get("docs") or {}, algo.get("hparams") or {},
+                     cfg.env_id)
 
 
 def preflight(backend_name: str, plan: Plan) -> None:
@@ -122,9 +147,25 @@ def preflight(backend_name: str, plan: Plan) -> None:
 
 
 def resume_config(cfg_flags: dict[str, Any], results: Path, run: str) -> RunConfig:
-    """The config of run ``run`` with the flags given now applied on top (e.g. a larger --max-steps)."""
+    """The config of run ``run`` with the flags given now applied on top (e.g. a larger --max-steps).
+
+    The saved config is the launcher's record (:attr:`RunDir.config`, where the run's containers cannot write),
+    never the copy in the results. A legacy run (made before the records moved) gives only what
+    :func:`launcher.legacy.legacy_config` allows.
+
+    Raises:
+        BadInput: no such run; its record is unreadable; a legacy run whose code, backend, image or host paths
+            are not given again (exit 2).
+    """
+    from launcher.legacy import legacy_config
+
     run_dir = find_run(results, run)
-    saved = read_json_at(run_dir.files.config) or {}
+    saved = read_json_at(run_dir.config)
+    if saved is None:
+        if not run_dir.legacy:
+            raise BadInput(f"run {run_dir.run_id}'s launcher record {run_dir.config} is missing or unreadable",
+                           hint="start a new run with `launcher up`")
+        saved = legacy_config(run_dir, cfg_flags)
     fields = {f.name for f in dataclasses.fields(RunConfig)}
     base = {k: v for k, v in saved.items() if k in fields and k not in ("resume", "detach", "json")}
     cfg, _ = config_mod.resolve_config({**cfg_flags, "resume": run_dir.run_id, "results": str(run_dir.path.parent)},

@@ -1,8 +1,9 @@
 """Backends turn a prepared run (spec + plan + secret) into running things: local processes
-(:mod:`launcher.backends.process`), Docker containers (:mod:`launcher.backends.docker`), or Swarm services
-(:mod:`launcher.backends.swarm`). They share one interface, :class:`launcher.backends.base.Backend`: the
-supervisor (:mod:`launcher.supervisor`) drives any of them the same way, and ``status``/``logs``/``down``
-(:mod:`launcher.lifecycle`) reach a run through the :class:`~launcher.backends.base.FoundRun` its backend gives.
+(:mod:`launcher.backends.process`), Docker containers (:mod:`launcher.backends.docker`), Swarm services
+(:mod:`launcher.backends.swarm`), or the steps of a Slurm job (:mod:`launcher.backends.slurm`). They share one
+interface, :class:`launcher.backends.base.Backend`: the supervisor (:mod:`launcher.supervisor`) drives any of
+them the same way, and ``status``/``logs``/``down`` (:mod:`launcher.lifecycle`) reach a run through the
+:class:`~launcher.backends.base.FoundRun` its backend gives.
 
 This module is the one table of backends by name (``run.json`` records the name).
 """
@@ -22,10 +23,12 @@ BACKENDS: dict[str, tuple[str, str]] = {
     "process": ("launcher.backends.process", "ProcessBackend"),
     "docker": ("launcher.backends.docker", "DockerBackend"),
     "swarm": ("launcher.backends.swarm", "SwarmBackend"),
+    "slurm": ("launcher.backends.slurm", "SlurmBackend"),
 }
 # Who to ask about a run known only by its labels: services first (a swarm run's task containers carry the
 # same labels as a Docker run's containers).
 _BY_LABEL = ("swarm", "docker")
+LABEL_BACKENDS = frozenset(_BY_LABEL)
 
 
 def backend_class(name: str) -> type[Backend]:
@@ -61,6 +64,20 @@ def find_by_label(run_id: str) -> FoundRun | None:
             found.run_dir = found.results_from_labels()
             if found.run_dir is not None:
                 found.record = found.run_dir.read_record()
+            return found
+        found.close()
+    return None
+
+
+def labelled(run_id: str, run_dir: RunDir | None) -> FoundRun | None:
+    """The run's containers or services as the engine's labels give them, whatever any record says (``down``
+    of a run whose record names another backend); None when the engine has nothing of it or is not reachable."""
+    for name in _BY_LABEL:
+        try:
+            found = backend_class(name).find(run_id, run_dir, {})
+        except ImportError:  # no Docker SDK here: no engine's labels to ask
+            return None
+        if found.exists():
             return found
         found.close()
     return None

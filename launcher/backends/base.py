@@ -14,18 +14,38 @@ from __future__ import annotations
 
 import abc
 import enum
+import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-from launcher.config import RunConfig
+from launcher.config import RunConfig, gpu_request
 
 Event = Callable[[str, dict[str, Any]], None]  # (kind, data), the supervisor's event vocabulary
 from launcher.gpu.placement import Plan
 from launcher.runs import RunDir
 from worker.contract import RunSpec
+
+
+def host_plan(cfg: RunConfig, run_id: str, *, cpu_count: int | None = None,
+              report: Callable[[str], None] | None = None) -> tuple[Plan, Any]:
+    """Select and lease GPUs (if any) and plan, within the site policy: one call into :mod:`launcher.gpu`.
+    Returns (plan, reservation or None); ``plan.reasons`` says where the policy limited the run. The default
+    :meth:`Backend.make_plan`; ``launcher.up.make_plan`` is this function."""
+    from launcher import gpu
+
+    outcome = gpu.plan_and_reserve(gpu_request(cfg), run_id=run_id, cpu_count=cpu_count or os.cpu_count() or 1,
+                                   report=report)
+    return outcome.plan, outcome.reservation
+
+
+def event_lines(on_event: Event | None) -> Callable[[str], None] | None:
+    """A backend's progress lines as the supervisor's ``event`` records (None when nobody listens)."""
+    if on_event is None:
+        return None
+    return lambda line: on_event("event", {"message": line})
 
 
 @dataclass(frozen=True)
@@ -82,8 +102,12 @@ class Part:
             ``launcher status`` prints it.
         health: the container's healthcheck status, ``""`` without one.
         node: the swarm node it runs on, ``""`` elsewhere.
-        lost: on a swarm, the lost node an earlier task of it ran on and since when (``node X lost at T``),
-            ``""`` when none was lost.
+        lost: on a swarm or Slurm, the lost node an earlier task or step of it ran on and since when (``node X lost
+            at T``), ``""`` when none was lost.
+        reason: why its system holds it back (Slurm's pending reason: ``Resources``, ``Priority``), ``""`` when
+            nothing does.
+        gpus: the GPUs its system gave it, where that system picks them (Slurm: the step's ``SLURM_STEP_GPUS``
+            on its node), ``""`` when unknown or none.
     """
 
     name: str
@@ -95,6 +119,8 @@ class Part:
     health: str = ""
     node: str = ""
     lost: str = ""
+    reason: str = ""
+    gpus: str = ""
 
     @property
     def group(self) -> int | None:
@@ -105,19 +131,26 @@ class Part:
     @property
     def word(self) -> str:
         """What ``launcher status`` prints for it: the backend's own word, else the state's."""
-        return self.status or self.state.value
+        return (self.status or self.state.value) + (f" ({self.reason})" if self.reason else "")
 
     def to_dict(self) -> dict[str, Any]:
         """The part in ``launcher status --json`` (schema launcher.run-status/v1)."""
         d: dict[str, Any] = {"name": self.name, "state": self.word, "id": self.ident,
                              "restarts": self.restarts, "exit_code": self.exit_code, "health": self.health}
-        d.update({k: v for k, v in (("node", self.node), ("lost", self.lost)) if v})  # swarm runs only
+        d.update({k: v for k, v in (("node", self.node), ("lost", self.lost), ("reason", self.reason),
+                                    ("gpus", self.gpus)) if v})
         return d
 
 
 def part_order(part: Part) -> tuple[bool, int, str]:
     """Sort key: the master first, then groups by index."""
-    return (part.name != "master", len(part.name), part.name)
+    return name_order(part.name)
+
+
+def name_order(name: str) -> tuple[bool, int, str]:
+    """Sort key of a part's name (``master``, ``group-N``): the master first, then groups by index, so that
+    ``group-2`` comes before ``group-10``."""
+    return (name != "master", len(name), name)
 
 
 @dataclass(frozen=True)
@@ -140,26 +173,28 @@ class DownReport:
     launcher_signalled: bool = False
     services: list[str] = field(default_factory=list)  # swarm runs
     secrets: int = 0
+    jobs: list[str] = field(default_factory=list)  # Slurm runs: the job and steps cancelled (``12``, ``12.3``)
 
     def to_dict(self) -> dict[str, Any]:
         return {"run_id": self.run_id, "results": self.results, "containers": self.containers,
                 "networks": self.networks, "pids": self.pids, "launcher_signalled": self.launcher_signalled,
-                "services": self.services, "secrets": self.secrets}
+                "services": self.services, "secrets": self.secrets, "jobs": self.jobs}
 
     @property
     def removed_anything(self) -> bool:
-        return bool(self.containers or self.services or self.pids)
+        return bool(self.containers or self.services or self.pids or self.jobs)
 
 
 class FoundRun(abc.ABC):
     """A run found again after its start, by results directory and by label (docker-py's idea of a model a
     ``Collection`` finds again). Opened by :meth:`Backend.find`; close it when done.
 
-    ``unreachable``: why the backend's system (the Docker engine) cannot be asked, ``""`` when it can; the
-    parts are then unknown (empty) and :meth:`down` raises.
+    ``unreachable``: why the backend's system (:attr:`system`: the Docker engine, Slurm) cannot be asked, ``""``
+    when it can; the parts are then unknown (empty) and :meth:`down` raises.
     """
 
     backend: ClassVar[str] = "?"  # the backend's name, as run.json records it
+    system: ClassVar[str] = "the Docker engine"  # what holds the run's parts, for messages
     unreachable: str = ""
 
     def __init__(self, run_id: str, run_dir: RunDir | None, record: dict[str, Any]) -> None:
@@ -217,6 +252,16 @@ class Backend(abc.ABC):
     name: ClassVar[str] = "?"
     restart_grace_s: ClassVar[float] = 0.0
     outlives_launcher: ClassVar[bool] = False
+    detach_hint: ClassVar[str] = "add --backend docker (an engine must answer), or leave out --detach"
+    _stop_check: Callable[[], bool] | None = None
+
+    def watch_stop(self, check: Callable[[], bool]) -> None:
+        """``check()`` says whether a stop was asked for (SIGINT/SIGTERM): a :meth:`start` that can wait long (a
+        run queued by Slurm) asks it and gives up, raising :class:`~launcher.errors.Interrupted`."""
+        self._stop_check = check
+
+    def stop_requested(self) -> bool:
+        return self._stop_check is not None and self._stop_check()
 
     @abc.abstractmethod
     def start(self, run: PreparedRun) -> None:
@@ -253,6 +298,14 @@ class Backend(abc.ABC):
         """The backend ``launcher up`` uses for ``cfg``; ``on_event`` receives what it reports before and
         after the start (``event`` lines, ``build`` records of an image build), as the supervisor's events."""
         return cls()
+
+    @classmethod
+    def make_plan(cls, cfg: RunConfig, run_id: str, *,
+                  report: Callable[[str], None] | None = None) -> tuple[Plan, Any]:
+        """The run's plan and its GPU leases (None on CPU). By default from this host: NVML's GPUs, the site
+        policy and this host's cores (:func:`host_plan`); a backend whose scheduler owns the GPUs (Slurm) plans
+        from the scheduler's view instead and takes no leases."""
+        return host_plan(cfg, run_id, report=report)
 
     @classmethod
     def preflight(cls, plan: Plan) -> None:

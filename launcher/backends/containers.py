@@ -23,11 +23,14 @@ from launcher.engine.client import Engine, engine_unavailable_reason
 from launcher.errors import LauncherError
 from launcher.engine.labels import GPUS_LABEL, GROUP_LABEL, RESULTS_LABEL, ROLE_LABEL, RUN_LABEL, USER_LABEL
 from launcher.gpu.placement import ProcessShare
-from launcher.runs import RunDir, owner_uid_gid
-from worker.contract import LOGS_DIR, MASTER_ADDR_ENV, MASTER_LOG, SPEC_FILE, TF_THREADS_ENV, group_log_name
+from launcher.runs import RunDir, is_run_dir, owner_uid_gid
+from worker.contract import LOGS_DIR, MASTER_ADDR_ENV, MASTER_LOG, TF_THREADS_ENV, group_log_name
 
 log = logging.getLogger(__name__)
 
+# A kept copy of a part's output (logs/master.log, logs/group-N.log) never grows past this; one older copy
+# (.1) is kept beside it, as the process backend does (each --resume appends another container's output).
+KEPT_LOG_CAP_BYTES = 64 * 1024 * 1024
 MASTER_PORT = 7100  # inside a run's own network; every run has its own network, so a fixed port is fine
 # The image's own unprivileged user (Dockerfile ARG UID). Containers normally run as the invoking user so
 # their files on the bind mount are that user's; a launcher run by root itself (no sudo, so no SUDO_UID to
@@ -44,11 +47,14 @@ class Kind(str, enum.Enum):
     PROCESS = "process"  # CUDA_VISIBLE_DEVICES by UUID; the host's devices are all there
     DOCKER = "docker"  # the NVIDIA runtime mounts the UUIDs in NVIDIA_VISIBLE_DEVICES
     SWARM = "swarm"  # the engine picks GPUs on the node it chooses; nothing is pinned by UUID
+    SLURM = "slurm"  # Slurm sets each step's CUDA_VISIBLE_DEVICES from the GRES it allocated
 
 
 def device_env(kind: Kind, gpu_uuids: tuple[str, ...]) -> dict[str, str]:
     """The device variables of a process given ``gpu_uuids`` (empty: CPU only, every GPU hidden)."""
     joined = ",".join(gpu_uuids)
+    if kind is Kind.SLURM:  # a step without GPUs is hidden from them by launcher.backends.slurm_specs.step_env
+        return {}
     if not gpu_uuids:
         # "void": the NVIDIA runtime, if the engine has one, mounts no GPU at all (not even the default "all").
         return {"CUDA_VISIBLE_DEVICES": ""} if kind is Kind.PROCESS else \
@@ -217,14 +223,13 @@ def remove_secret_file(run_id: str, owners: tuple[int, ...] = ()) -> None:
 
 def give_to(path: Path, uid: int, gid: int) -> None:
     """Make the results directory the invoking user's when the launcher runs as root for someone (sudo):
-    the containers run as that user and must write there."""
+    the containers run as that user and must write there. Walks by directory descriptors and skips files
+    with several links (:func:`launcher.safefs.chown_tree`): the user can write the tree, root must change
+    nothing outside it."""
     if os.geteuid() != 0 or uid == 0:
         return
-    for p in (path, *path.rglob("*")):
-        try:
-            os.chown(p, uid, gid, follow_symlinks=False)
-        except OSError as exc:
-            log.warning("cannot hand %s to uid %d: %s", p, uid, exc)
+    for line in safefs.chown_tree(path, uid, gid):
+        log.warning("cannot hand to uid %d: %s", uid, line)
 
 
 @dataclass(frozen=True)
@@ -265,7 +270,7 @@ def save_logs(copies: list[LogCopy], logs_dir: Path) -> list[Path]:
             else None
         try:
             safefs.append(root, f"{logs_dir.name}/{name}", f"--- launcher: {c.header} ---\n".encode() + c.data,
-                          owner=owner)
+                          owner=owner, cap_bytes=KEPT_LOG_CAP_BYTES)
         except OSError as exc:
             log.warning("cannot write %s: %s", logs_dir / name, exc)
             continue
@@ -303,7 +308,7 @@ def run_dir_from_labels(run_id: str, found_labels: list[Mapping[str, str]]) -> R
     """The results directory a run's labels name, when it is on this host (and trustworthy)."""
     for lab in found_labels:
         path = labelled_results(lab)
-        if path is not None and (path / SPEC_FILE).exists():
+        if path is not None and is_run_dir(path):
             return RunDir(run_id, path)
     return None
 

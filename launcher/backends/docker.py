@@ -43,6 +43,7 @@ from launcher.errors import BadInput, MissingDependency
 from launcher.gpu import handover
 from launcher.gpu.placement import Plan
 from launcher.runs import RunDir
+from launcher.usercode import user_code
 from worker.contract import SECRET_FILE_ENV, SPEC_ENV, RunSpec
 
 log = logging.getLogger(__name__)
@@ -82,10 +83,11 @@ def container_specs(run: PreparedRun, *, image: str, gpu_runtime: bool, uid_gid:
     user, net, rid, results = f"{uid}:{gid}", network_name(run.run_id), run.run_id, run.results_dir
     cspec = container_run_spec(run.spec)
     # The secret is a file (write_secret_file) bind-mounted read-only: not in the environment or `docker inspect`.
-    # --env-dir: the same read-only mount and PYTHONPATH for the master and every group (envcheck probed it so).
-    secret_env = {SPEC_ENV: cspec.to_json(), SECRET_FILE_ENV: SECRET_MOUNT,
-                  **envcheck.container_env(run.config.env_dir)}
-    secret_bind = {str(secret_path(rid)): SECRET_MOUNT, **envcheck.container_mounts(run.config.env_dir)}
+    # --env-dir and the --algo/--model files' directories: the same read-only mounts and PYTHONPATH for the master
+    # and every group (envcheck probed them so).
+    code = user_code(run.config)
+    secret_env = {SPEC_ENV: cspec.to_json(), SECRET_FILE_ENV: SECRET_MOUNT, **envcheck.container_env(code)}
+    secret_bind = {str(secret_path(rid)): SECRET_MOUNT, **envcheck.container_mounts(code)}
     m = run.plan.master
     mlim = master_limits(m)
     lease = run.reservation if run.reservation is not None and run.reservation.uuids else None

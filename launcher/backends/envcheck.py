@@ -28,11 +28,11 @@ from typing import Any, Mapping
 
 from launcher.config import RunConfig
 from launcher.errors import BadInput, LauncherError, MissingDependency
+from launcher.usercode import UserCode, user_code
 from worker.contract import plain_env_id
 
 log = logging.getLogger(__name__)
 
-ENV_DIR_MOUNT = "/opt/launcher/envs"  # where --env-dir is mounted (read-only) in every container of a run
 PROBE_MODULE = "worker.envs.probe"
 PROBE_TIMEOUT_S = 180.0  # an env package may import heavy things (ale-py loads ROMs, pygame starts)
 NOT_MADE = 3  # worker.envs.probe.EXIT_NOT_MADE
@@ -47,6 +47,7 @@ class EnvProbe:
     info: dict[str, Any] = field(default_factory=dict)
     error: dict[str, Any] = field(default_factory=dict)
     python: str = "python"  # the interpreter asked (process backend), for the install hint
+    algo: dict[str, Any] = field(default_factory=dict)  # the algorithm's class, resolved hparams and their docs
 
     @property
     def ok(self) -> bool:
@@ -54,13 +55,32 @@ class EnvProbe:
 
 
 def probe_args(cfg: RunConfig) -> list[str]:
-    """The probe's arguments after ``python``: ``-m worker.envs.probe ENV --args JSON``."""
-    return ["-m", PROBE_MODULE, cfg.env_id, "--args", json.dumps(dict(cfg.env_args), sort_keys=True)]
+    """The probe's arguments after ``python``: ``-m worker.envs.probe ENV --args JSON --algo REF [--model REF]
+    --hparams JSON``: the env made, the algorithm loaded and its ``--set`` values checked, as the run will."""
+    code = user_code(cfg)
+    return ["-m", PROBE_MODULE, cfg.env_id, "--args", json.dumps(dict(cfg.env_args), sort_keys=True),
+            "--algo", code.algo, *(["--model", code.model] if code.model else []),
+            "--hparams", json.dumps(dict(cfg.hparams), sort_keys=True, default=list)]
 
 
-def pythonpath(env_dir: Path | None, inherited: str | None) -> str | None:
-    """``PYTHONPATH`` of a process backend's processes: ``env_dir`` first, then what the launcher had."""
-    parts = ([str(env_dir.resolve())] if env_dir is not None else []) + ([inherited] if inherited else [])
+def host_python(python: str, results_root: Path, env: dict[str, str]) -> list[str]:
+    """How to start ``python -m ...`` for a run's host process (the env probe, the process backend's children)
+    so that nothing in a run's results is imported: ``python -m`` puts the working directory first on
+    ``sys.path``, and from inside ``<results root>/<run>/`` a module a run's container planted there would
+    shadow the user's own. There it adds ``-P`` (no such entry) and puts the directory our ``worker`` package
+    is in on ``env``'s ``PYTHONPATH`` instead, after the user's code directories. Returns the argv's start."""
+    here, root = Path.cwd().resolve(), results_root.resolve()
+    if root not in here.parents:  # the root itself is safe: a run directory's name is no module name
+        return [python]
+    ours = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), ours) if p)
+    return [python, "-P"]
+
+
+def pythonpath(code: UserCode, inherited: str | None) -> str | None:
+    """``PYTHONPATH`` of a process backend's processes: the run's code directories first (``--env-dir``, then the
+    directories of ``--algo``/``--model`` files), then what the launcher had."""
+    parts = [str(d) for d in code.dirs] + ([inherited] if inherited else [])
     return os.pathsep.join(parts) or None
 
 
@@ -77,7 +97,7 @@ def parse_probe(where: str, code: int, stdout: str, stderr: str, python: str = "
             continue
         if isinstance(doc, dict) and "ok" in doc:
             return EnvProbe(where, info=dict(doc.get("info") or {}), error={} if doc["ok"] else dict(doc["error"]),
-                            python=python)
+                            python=python, algo=dict(doc.get("algo") or {}))
     tail = "\n".join(f"    {x}" for x in (stderr or stdout).strip().splitlines()[-8:])
     raise LauncherError(f"checking the env where the groups will run ({where}) failed: exit status {code}, "
                         f"no answer from {PROBE_MODULE}" + (f":\n{tail}" if tail else ""),
@@ -88,13 +108,14 @@ def probe_on_host(cfg: RunConfig, python: str, environ: Mapping[str, str] | None
     """Ask ``python`` (the process backend's interpreter) to make the env, with the groups' PYTHONPATH."""
     env = dict(os.environ if environ is None else environ)
     env = {k: v for k, v in env.items() if not k.startswith("LAUNCHER_")}
-    path = pythonpath(cfg.env_dir, env.get("PYTHONPATH"))
+    path = pythonpath(user_code(cfg), env.get("PYTHONPATH"))
     if path:
         env["PYTHONPATH"] = path
     where = f"this host's Python {python}" + (f", PYTHONPATH {path}" if path else "")
     try:
-        done = subprocess.run([python, *probe_args(cfg)], env=env, capture_output=True, text=True,
-                              timeout=PROBE_TIMEOUT_S, stdin=subprocess.DEVNULL)
+        argv = [*host_python(python, cfg.results, env), *probe_args(cfg)]
+        done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=PROBE_TIMEOUT_S,
+                              stdin=subprocess.DEVNULL)
     except subprocess.TimeoutExpired:
         raise BadInput(f"--env {cfg.env_id!r}: making the env took longer than {PROBE_TIMEOUT_S:.0f} s ({where})",
                        hint="an env that hangs while it is made cannot train; check it alone with "
@@ -104,20 +125,25 @@ def probe_on_host(cfg: RunConfig, python: str, environ: Mapping[str, str] | None
     return parse_probe(where, done.returncode, done.stdout, done.stderr, python)
 
 
-def container_mounts(env_dir: Path | None) -> dict[str, str]:
-    """Read-only binds every container of a run gets for its env: ``--env-dir`` at :data:`ENV_DIR_MOUNT`."""
-    return {str(env_dir.resolve()): ENV_DIR_MOUNT} if env_dir is not None else {}
+def container_mounts(code: UserCode) -> dict[str, str]:
+    """Read-only binds every container of a run gets for its code: ``--env-dir`` at
+    :data:`launcher.usercode.ENV_DIR_MOUNT`, the directories of ``--algo``/``--model`` files under
+    :data:`launcher.usercode.CODE_MOUNT`."""
+    return code.mounts()
 
 
-def container_env(env_dir: Path | None) -> dict[str, str]:
-    """Environment every container of a run gets for its env: ``PYTHONPATH`` naming the mount."""
-    return {"PYTHONPATH": ENV_DIR_MOUNT} if env_dir is not None else {}
+def container_env(code: UserCode) -> dict[str, str]:
+    """Environment every container of a run gets for its code: ``PYTHONPATH`` naming the mounts."""
+    mounts = list(code.mounts().values())
+    return {"PYTHONPATH": ":".join(mounts)} if mounts else {}
 
 
 def refusal(cfg: RunConfig, probe: EnvProbe, *, containers: bool) -> LauncherError:
     """The one error for an env that cannot be made where the groups run: what, the value, where, what to do."""
     err = probe.error
     kind, message = err.get("kind", "error"), err.get("message", "")
+    if kind == "algo":
+        return algo_refusal(cfg, probe)
     head = f"--env {cfg.env_id!r} cannot be made where the worker groups will run ({probe.where}): {message}"
     if kind == "missing_module":
         package = err.get("package") or "PACKAGE"
@@ -148,15 +174,33 @@ def refusal(cfg: RunConfig, probe: EnvProbe, *, containers: bool) -> LauncherErr
     return BadInput(head + "; nothing was started", hint=hint)
 
 
+def algo_refusal(cfg: RunConfig, probe: EnvProbe) -> LauncherError:
+    """The one error for an algorithm or model that cannot be loaded where the groups run (exit 2)."""
+    err = probe.error
+    what = f"--algo {cfg.algo!r}" + (f" with --model {cfg.model!r}" if cfg.model else "")
+    head = (f"{what} cannot be used where the worker groups will run ({probe.where}): {err.get('message', '')}; "
+            "nothing was started")
+    hint = {"import": "run the module alone to see the whole traceback (`python -c 'import MODULE'`); a package it "
+                      "needs goes into containers with `--with PKG`, onto this host with pip",
+            "name": "check the name after the colon: a worker.api.Algorithm subclass (--algo) or a function "
+                    "(--model) defined in that module",
+            "type": "--algo names a subclass of worker.api.Algorithm, --model a function (spaces, hparams) -> "
+                    "keras.Model",
+            "hparams": f"`launcher up --algo {cfg.algo} --set help` lists its hyper-parameters with their defaults",
+            }.get(str(err.get("what")), "the algorithm's class raised this while its hyper-parameters were resolved")
+    return BadInput(head, hint=hint)
+
+
 def probe_in_image(engine: Any, image: str, cfg: RunConfig, run_labels: Mapping[str, str], user: str) -> EnvProbe:
     """Ask a throw-away container of ``image`` to make the env: the run's user, its ``--env-dir`` mount and
     environment, no network, removed afterwards (like ``docker run --rm --network none``).
 
     ``engine``: a connected :class:`launcher.engine.client.Engine`.
     """
-    binds = container_mounts(cfg.env_dir)
-    where = f"image {image} as uid:gid {user}, no network" + (f", --env-dir at {ENV_DIR_MOUNT}" if binds else "")
-    code, out, err = engine.run_capture(image, ["python", *probe_args(cfg)], user=user, labels=run_labels,
-                                        read_only_binds=binds, environment=container_env(cfg.env_dir),
-                                        timeout_s=PROBE_TIMEOUT_S)
-    return parse_probe(where, code, out, err)
+    code = user_code(cfg)
+    binds = container_mounts(code)
+    where = f"image {image} as uid:gid {user}, no network" + (f", {', '.join(binds.values())} mounted" if binds else "")
+    status, out, err = engine.run_capture(image, ["python", *probe_args(cfg)], user=user, labels=run_labels,
+                                          read_only_binds=binds, environment=container_env(code),
+                                          timeout_s=PROBE_TIMEOUT_S)
+    return parse_probe(where, status, out, err)

@@ -16,6 +16,7 @@ known before the master has imported TensorFlow, so the groups start at the same
 from __future__ import annotations
 
 import ctypes
+import json
 import logging
 import os
 import signal
@@ -36,6 +37,7 @@ from launcher.gpu.placement import Plan
 from launcher.procs import belongs, identity, launcher_record, send_signal, wait_gone
 from launcher.safefs import distrust
 from launcher.runs import RunDir, list_runs
+from launcher.usercode import UserCode, user_code
 from worker.contract import LISTEN_FD_ENV, MASTER_LOG, SECRET_FILE_ENV, group_log_name
 
 log = logging.getLogger(__name__)
@@ -52,18 +54,31 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
         pass
 
 
+def host_env(code: UserCode) -> dict[str, str]:
+    """What a run's processes started from this launcher get of its environment: everything but its own
+    ``LAUNCHER_*`` settings (the secret goes in a pipe), with the run's code directories (``--env-dir``, the
+    directories of ``--algo``/``--model`` files) first on ``PYTHONPATH``. (Slurm's steps get it too, through
+    ``srun --export=ALL``.)"""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LAUNCHER_")}
+    path = envcheck.pythonpath(code, env.get("PYTHONPATH"))
+    if path:
+        env["PYTHONPATH"] = path
+    return env
+
+
 class _Child:
     """One child process and its log: ``logs/<name>.log`` opened through :mod:`launcher.safefs` (never through
     a link), kept at most :data:`LOG_CAP_BYTES` (then copied to ``<name>.log.1`` and truncated)."""
 
     def __init__(self, name: str, argv: list[str], env: dict[str, str], log_path: Path, pass_fds: tuple[int, ...] = (),
-                 secret: str = ""):
+                 secret: str = "", secret_on_stdin: bool = False):
         self.name = name
         self.argv = argv
         self.env = env
         self.log_path = log_path
         self.pass_fds = pass_fds
         self.secret = secret
+        self.secret_on_stdin = secret_on_stdin  # srun forwards its stdin to the step's task on another node
         self.proc: subprocess.Popen[bytes] | None = None
         self.restarts = 0
         self._log: int | None = None
@@ -79,17 +94,22 @@ class _Child:
 
     def start(self) -> None:
         """Start it (like ``subprocess.Popen``) with the run secret in a pipe it inherits: the secret is in no
-        environment (``/proc/<pid>/environ``), argv or file; the child reads ``/dev/fd/N`` to its end."""
+        environment (``/proc/<pid>/environ``), argv or file; the child reads ``/dev/fd/N`` to its end (or its
+        stdin, ``secret_on_stdin``)."""
         log_fd = self.open_log()
         env, fds, secret_r = dict(self.env), self.pass_fds, None
+        stdin: int = subprocess.DEVNULL
         if self.secret:
             secret_r, w = os.pipe()
             os.write(w, self.secret.encode())  # 64 bytes: far below a pipe's buffer
             os.close(w)
-            env[SECRET_FILE_ENV] = f"/dev/fd/{secret_r}"
-            fds = (*fds, secret_r)
+            if self.secret_on_stdin:
+                stdin = secret_r
+            else:
+                env[SECRET_FILE_ENV] = f"/dev/fd/{secret_r}"
+                fds = (*fds, secret_r)
         try:
-            self.proc = subprocess.Popen(self.argv, env=env, stdin=subprocess.DEVNULL, stdout=log_fd,
+            self.proc = subprocess.Popen(self.argv, env=env, stdin=stdin, stdout=log_fd,
                                          stderr=subprocess.STDOUT, pass_fds=fds, process_group=0,
                                          preexec_fn=_die_with_parent, close_fds=True)
         finally:
@@ -154,6 +174,15 @@ class _Reaper:
             except OSError:
                 pass
 
+    def on_death(self, argv: list[str]) -> None:
+        """Run ``argv`` (with a deadline) after the children are reaped, if the launcher dies first."""
+        if self.proc.stdin is not None:
+            try:
+                self.proc.stdin.write(f"run {json.dumps(argv)}\n".encode())
+                self.proc.stdin.flush()
+            except OSError:
+                pass
+
     def done(self) -> None:
         """The launcher stopped its children itself: the reaper exits at once."""
         try:
@@ -189,13 +218,7 @@ class ProcessBackend(Backend):
         self._sock: socket.socket | None = None
 
     def _env(self, run: PreparedRun) -> dict[str, str]:
-        """This launcher's environment without its own ``LAUNCHER_*`` settings (the secret goes in a pipe), with
-        ``--env-dir`` first on ``PYTHONPATH``."""
-        env = {k: v for k, v in os.environ.items() if not k.startswith("LAUNCHER_")}
-        path = envcheck.pythonpath(run.config.env_dir, env.get("PYTHONPATH"))
-        if path:
-            env["PYTHONPATH"] = path
-        return env
+        return host_env(user_code(run.config))
 
     @classmethod
     def check_env(cls, cfg: RunConfig, plan: Plan, run_id: str, *, on_event: Event | None = None) -> dict[str, Any]:
@@ -229,8 +252,9 @@ class ProcessBackend(Backend):
         spec_path = run.run_dir.files.spec
         logs = run.run_dir.files.logs
         logs.mkdir(exist_ok=True)
-        worker = [self.python, "-m", "worker"]
-        menv = {**self._env(run), **worker_env(Kind.PROCESS, run.plan.master, master_addr=None),
+        base_env = self._env(run)
+        worker = [*envcheck.host_python(self.python, run.run_dir.path.parent, base_env), "-m", "worker"]
+        menv = {**base_env, **worker_env(Kind.PROCESS, run.plan.master, master_addr=None),
                 LISTEN_FD_ENV: str(sock.fileno())}
         # The master inherits the run's GPU leases too (launcher.gpu.handover): if the launcher is killed they
         # stay held while the master checkpoints and exits.
@@ -240,7 +264,7 @@ class ProcessBackend(Backend):
         self._reaper = _Reaper(self.python, self.orphan_grace_s, self.master.open_log())
         self._start_child(self.master)
         for g in run.plan.groups:
-            genv = {**self._env(run),
+            genv = {**base_env,
                     **worker_env(Kind.PROCESS, g.share, master_addr=f"{run.spec.connect_host}:{port}")}
             child = _Child(f"group-{g.index}", [*worker, "group", "--index", str(g.index), "--spec", str(spec_path)],
                            genv, logs / group_log_name(g.index), secret=run.secret)

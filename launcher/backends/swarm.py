@@ -33,7 +33,7 @@ import os
 import time
 from typing import Any, Callable
 
-from launcher.backends.base import Backend, BackendStatus, Event, Part, PreparedRun
+from launcher.backends.base import Backend, BackendStatus, Event, Part, PreparedRun, event_lines
 from launcher.backends.containers import container_user, give_to, network_name
 from launcher.backends.swarm_run import SwarmRun, lost_node, teardown
 from launcher.backends.swarm_specs import (START_TIMEOUT_S, Placement, swarm_labels, gpu_shortfall,
@@ -46,6 +46,7 @@ from launcher.config import RunConfig
 from launcher.errors import BadInput, LauncherError, MissingDependency, NoResources
 from launcher.gpu.placement import Plan
 from launcher.runs import RunDir
+from launcher.usercode import user_code
 
 log = logging.getLogger(__name__)
 NODE_WATCH_S = 5.0  # how often poll() asks the swarm for its nodes (to say when one is lost)
@@ -282,8 +283,7 @@ class SwarmBackend(Backend):
 
     @classmethod
     def from_config(cls, cfg: RunConfig, *, on_event: Event | None = None) -> "SwarmBackend":
-        progress = None if on_event is None else (lambda line: on_event("event", {"message": line}))
-        backend = cls(image=cfg.image, progress=progress, master_placement=cfg.swarm_master,
+        backend = cls(image=cfg.image, progress=event_lines(on_event), master_placement=cfg.swarm_master,
                       group_placement=cfg.swarm_groups)
         backend.with_packages = tuple(cfg.with_packages)
         return backend
@@ -295,10 +295,12 @@ class SwarmBackend(Backend):
         from launcher.backends import envcheck
         from launcher.engine.images import image_exists
 
-        if cfg.env_dir is not None:
-            raise BadInput(f"--env-dir {cfg.env_dir}: the swarm backend cannot mount a directory of this host on "
-                           f"other nodes", hint="make it a package (`pip wheel --no-deps -w dist DIR`) and add it "
-                           "to the image: `launcher up --with dist/<file>.whl`; or use --backend docker")
+        code = user_code(cfg)
+        if code.dirs:
+            what = f"--env-dir {cfg.env_dir}" if cfg.env_dir is not None else f"--algo/--model {code.code_dirs[0]}"
+            raise BadInput(f"{what}: the swarm backend cannot mount a directory of this host on other nodes",
+                           hint="make it a package (`pip wheel --no-deps -w dist DIR`), add it to the image with "
+                           "`launcher up --with dist/<file>.whl` and name it as MODULE:Name; or use --backend docker")
         backend = cls.from_config(cfg, on_event=on_event)
         image = backend._image(plan)
         engine = Engine()

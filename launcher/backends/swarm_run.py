@@ -14,6 +14,7 @@ from launcher import safefs
 from launcher.backends.base import DownReport, Part, part_order
 from launcher.backends.containers import (UNPRIVILEGED_UID_GID, EngineRun, LogCopy, labelled_results, logs_dir_for,
                                           run_dir_from_labels, save_logs)
+from launcher.backends.swarm_gone import wait_gone
 from launcher.backends.swarm_specs import service_state
 from launcher.engine.client import Engine
 from launcher.engine.labels import ROLE_LABEL, RUN_LABEL, USER_LABEL, part_name
@@ -237,7 +238,9 @@ def teardown(engine: Engine, run_id: str | None, *, grace_s: float = STOP_GRACE_
     stop grace period); groups then end by themselves (exit 0: not restarted); each service's output is
     appended to the run's ``logs/`` (``run_dir``'s or the ``launcher.results`` label's); a results volume on
     this node is copied into the results directory and then removed (one on another node is kept); then
-    services, secret and network are removed. Idempotent.
+    the services are removed and, bounded, waited for until no node holds a task container of the run
+    (:func:`launcher.backends.swarm_gone.wait_gone`: a node still holding one after the bound, or not
+    waited for, is named in a warning); then the secret and network. Idempotent.
     """
     swarm = SwarmEngine(engine)
     down = DownReport(run_id or "")
@@ -294,7 +297,10 @@ def teardown(engine: Engine, run_id: str | None, *, grace_s: float = STOP_GRACE_
     for s in services:
         swarm.remove_service(s["ID"])
         down.services.append(str(s["Spec"]["Name"]))
-    _wait(lambda: not engine.containers(flt), 20.0)
+    # The nodes remove the task containers after this returns: done only when none is left (swarm_gone).
+    for line in wait_gone(swarm, flt).warnings(f"run {run_id}" if run_id else "down --all",
+                                               "label=" + "=".join(p for p in (RUN_LABEL, run_id) if p)):
+        log.warning("%s", line)
     _remove_secrets_and_networks(swarm, flt, down)
     for vol in copied:
         swarm.remove_volume(vol)

@@ -44,6 +44,8 @@ def _line(r: DownReport) -> str:
         what.append(f"{r.secrets} secret(s)")
     if r.pids:
         what.append(f"stopped pid(s) {', '.join(map(str, r.pids))}")
+    if r.jobs:
+        what.append(f"cancelled Slurm job/step(s) {', '.join(r.jobs)}")
     return f"{r.run_id}: {', '.join(what) or 'nothing was running'}" + (f"; results kept in {r.results}" if r.results else "")
 
 

@@ -19,7 +19,10 @@ def register(sub: Any) -> None:
                        description="Load a run's policy, play --episodes episodes greedily (no exploration noise), "
                                    "report the mean and spread of the return, and optionally write a GIF of one "
                                    "episode. Weights: final (model/policy.npz, default), best "
-                                   "(model/best_policy.npz), latest (newest TF checkpoint) or a path.")
+                                   "(model/best_policy.npz), latest (the policy saved with the newest checkpoint) or a "
+                                   "path. Nothing of the run's code is imported: the model acts in numpy from "
+                                   "model/policy.json, or (a model that acted with TensorFlow) from "
+                                   "model/final_model.keras.")
     p.add_argument("run", metavar="RUN", help="run id (under --results) or the run's directory")
     p.add_argument("--episodes", type=int, default=10, metavar="N", help="episodes to play [10]")
     p.add_argument("--checkpoint", default="final", metavar="final|best|latest|PATH",
@@ -29,6 +32,13 @@ def register(sub: Any) -> None:
                    help=f"thin longer episodes to N frames [{DEFAULT_GIF_MAX_FRAMES}]")
     p.add_argument("--max-episode-steps", type=int, default=DEFAULT_MAX_EPISODE_STEPS, metavar="N",
                    help=f"cut an episode after N steps, for envs with no time limit [{DEFAULT_MAX_EPISODE_STEPS}]")
+    p.add_argument("--code", default=None, metavar="FILE.py|MODULE",
+                   help="your code to import first: the file that defines a custom layer of a TensorFlow-acting model")
+    p.add_argument("--env-dir", type=Path, default=None, metavar="DIR",
+                   help="your env modules (a module:EnvId of your own is made here too) [the run's `up --env-dir`, from the "
+                        "launcher's record]")
+    p.add_argument("--env", default=None, metavar="ID",
+                   help="the env to play (default: the one the run was started with, from the launcher's record)")
     p.add_argument("--seed", type=int, default=DEFAULT_SEED, metavar="N", help="episode i uses seed N+i")
     p.add_argument("--results", default=None, metavar="DIR", help="results root [as `launcher up`: launcher.toml, $LAUNCHER_RESULTS, or results]")
     p.add_argument("--json", action="store_true", help=f"print JSON ({EVAL_SCHEMA}) instead of text")
@@ -46,6 +56,7 @@ def run(args: argparse.Namespace) -> int:
     from launcher.cli.runs import results_root
 
     doc = evaluate(find_run(results_root(args.results), args.run), episodes=args.episodes, checkpoint=args.checkpoint, seed=args.seed,
-                   gif=args.gif, gif_max_frames=args.gif_max_frames, max_episode_steps=args.max_episode_steps)
+                   gif=args.gif, gif_max_frames=args.gif_max_frames, max_episode_steps=args.max_episode_steps,
+                   code=args.code, env_dir=args.env_dir, env=args.env)
     sys.stdout.write((json.dumps(doc, indent=2) if args.json else format_report(doc)) + "\n")
     return 0

@@ -12,7 +12,7 @@ from launcher import __version__
 from launcher.errors import ExitCode, LauncherError
 
 # Command modules, in the order `launcher --help` lists them. A module that fails to import is a bug.
-COMMANDS = ("up", "status", "logs", "down", "runs", "gpus", "plan", "build", "eval", "config", "admin")
+COMMANDS = ("up", "status", "logs", "down", "runs", "gpus", "plan", "build", "eval", "config", "admin", "check")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -30,13 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more log output (-vv: debug)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     for name in COMMANDS:
-        try:
-            module = importlib.import_module(f"launcher.cli.{name}")
-        except ModuleNotFoundError as exc:
-            if exc.name == f"launcher.cli.{name}":
-                continue  # command not built yet
-            raise
-        module.register(sub)
+        importlib.import_module(f"launcher.cli.{name}").register(sub)
     return parser
 
 
@@ -46,13 +40,13 @@ def configure_logging(verbosity: int) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    configure_logging(args.verbose)
-    if not getattr(args, "func", None):
-        parser.print_help(sys.stderr)
-        return int(ExitCode.BAD_INPUT)
     try:
+        parser = build_parser()  # imports every command module: a Ctrl-C here is an interrupt as well
+        args = parser.parse_args(argv)
+        configure_logging(args.verbose)
+        if not getattr(args, "func", None):
+            parser.print_help(sys.stderr)
+            return int(ExitCode.BAD_INPUT)
         return int(args.func(args))
     except LauncherError as exc:
         sys.stderr.write(f"launcher: error: {exc.message}\n")

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from launcher.rundata import printable
 from launcher.schemas import RUNS_SCHEMA
 
 
@@ -41,15 +42,17 @@ def _duration(s: float | None) -> str:
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
-    head = (f"{'RUN':<36} {'ENV':<18} {'ALGO':<4} {'WORKERS':>7}  {'STATUS':<11} {'BEST':>8} {'LAST':>8} "
+    head = (f"{'RUN':<36} {'ENV':<18} {'ALGO':<10} {'WORKERS':>7}  {'STATUS':<11} {'BEST':>8} {'LAST':>8} "
             f"{'STEPS':>10} {'DURATION':>8}  PATH")
     lines = [head]
     for r in rows:
-        lines.append(f"{r['run_id']:<36} {(r['env_id'] or '-')[:18]:<18} {(r['algo'] or '-'):<4} "
+        algo = (r["algo"] or "-").rpartition(":")[2][:10]  # a user's algorithm by its class name
+        lines.append(f"{r['run_id']:<36} {(r['env_id'] or '-')[:18]:<18} {algo:<10} "
                      f"{_num(r['workers'], '{}'):>7}  {r['status']:<11} {_num(r['best_return']):>8} "
                      f"{_num(r['last_return']):>8} {_num(r['steps'], '{:,}'):>10} {_duration(r['duration_s']):>8}  "
                      f"{r['path']}")
-    return "\n".join(lines)
+    # Names and states come from files a run's containers can write: nothing acts on the terminal.
+    return "\n".join(printable(line, limit=4096) for line in lines)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from launcher.lifecycle import RunView, view_runs
+from launcher.rundata import printable
 
 
 def register(sub: Any) -> None:
@@ -43,16 +44,23 @@ def format_view(v: RunView) -> str:
              f"{_num(d['updates'])} updates, return {_num(d['mean_return'], 2)}"
              + (f", outcome {d['outcome']}" if d["outcome"] else ""),
              f"  workers     {d['workers_connected']} connected in {d['groups_connected']}/{d['groups']} groups"]
+    if d["error"]:
+        lines.append(f"  error       {d['error']}")
     for p in v.parts:
         extra = "".join([f" exit {p.exit_code}" if p.exit_code is not None else "",
                          f" health {p.health}" if p.health else "",
                          f" restarts {p.restarts}" if p.restarts else "",
-                         f" on {p.node}" if p.node else "", f" ({p.lost})" if p.lost else ""])
+                         f" on {p.node}" if p.node else "", f" gpus {p.gpus}" if p.gpus else "",
+                         f" ({p.lost})" if p.lost else "",
+                         f" raised {v.part_errors[p.name]}" if p.name in v.part_errors else ""])
         lines.append(f"    {p.name:<10} {p.word:<11} {p.ident}{extra}")
-    for f in d["foreign_processes"] if v.live else []:  # from the supervisor's GPU watch (run.json)
-        lines.append(f"  FOREIGN     pid {f['pid']} ({f['user'] or '?'}) on GPU {f['gpu_index']} ({f['gpu_uuid']}), "
-                     f"not part of this run")
-    return "\n".join(lines)
+    foreign = d["foreign_processes"] if v.live and isinstance(d["foreign_processes"], list) else []
+    for f in (f for f in foreign if isinstance(f, dict)):  # from the supervisor's GPU watch (run.json)
+        lines.append(f"  FOREIGN     pid {f.get('pid')} ({f.get('user') or '?'}) on GPU {f.get('gpu_index')} "
+                     f"({f.get('gpu_uuid')}), not part of this run")
+    # The run's containers write much of this (status.json, summary.json, run.json): whatever reached a line,
+    # no control character reaches the terminal (an OSC-52 escape prints as \x1b]52;...).
+    return "\n".join(printable(line, limit=4096) for line in lines)
 
 
 def run(args: argparse.Namespace) -> int:

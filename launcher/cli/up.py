@@ -47,7 +47,8 @@ def add_up_options(p: argparse.ArgumentParser, *, exclude: tuple[str, ...] = (),
                            help=f"{opt.help} [{shown}; env {opt.env_var}]".replace("%", "%%"))
     if only is None:
         p.add_argument("--set", dest="hparams", action="append", default=None, metavar="KEY=VALUE",
-                       help="algorithm hyper-parameter, e.g. --set lr=3e-4 (repeatable; file: [up.hparams])")
+                       help="algorithm hyper-parameter, e.g. --set lr=3e-4 (repeatable; file: [up.hparams]); "
+                            "--set help lists them with their docs and exits")
         p.add_argument("--env-arg", dest="env_args", action="append", default=None, metavar="KEY=VALUE",
                        help="keyword argument for gymnasium.make, e.g. --env-arg use_lidar=false; the value is "
                             "true/false, a number, a quoted or bare string (repeatable; file: [up.env_args])")
@@ -105,6 +106,12 @@ def run(args: argparse.Namespace) -> int:
     from launcher.up import up
     from worker.results import atomic_write_json
 
+    if args.hparams and "help" in args.hparams:  # `--set help`: list the algorithm's hyper-parameters
+        from launcher.up import hparam_help
+
+        args.hparams = [h for h in args.hparams if h != "help"]
+        sys.stdout.write(hparam_help(config_from_args(args)) + "\n")
+        return 0
     cfg = config_from_args(args)
     reporter = make_reporter(sys.stderr, mode=cfg.progress, interval_s=cfg.progress_interval_s)
     try:

@@ -5,14 +5,23 @@ from __future__ import annotations
 import os
 import socket
 from pathlib import Path
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from launcher.errors import BadInput, ConfigErrors
-from launcher.config.options import BACKENDS, MAX_WORKERS, PROGRESS_MODES, RunConfig, check_env_args
-from worker.contract import ALGOS, plain_env_id, resolve_hparams
+from launcher.config.options import BACKENDS, MAX_WORKERS, PROGRESS_MODES, SLURM_RUNTIMES, RunConfig, check_env_args
+from worker.algorithms.hparams import resolve as resolve_hparams
+from worker.contract import ACTING, ALGOS, plain_env_id
 
 if TYPE_CHECKING:
     from launcher.gpu.request import GpuRequest
+
+# sbatch options the Slurm backend's plan sets itself (launcher.backends.slurm_specs.sbatch_args); --slurm-arg
+# may not repeat them. Here, with the other option checks, so that config asks nothing of the backends.
+SLURM_OWN_OPTIONS = ("--nodes", "-N", "--ntasks", "-n", "--ntasks-per-node", "--cpus-per-task", "-c", "--gres",
+                     "--gpus", "-G", "--gpus-per-node", "--time", "-t", "--job-name", "-J", "--output", "-o",
+                     "--error", "-e", "--partition", "-p", "--wrap", "--parsable", "--no-kill", "-k", "--open-mode",
+                     "--export")
 
 
 # ------------------------------------------------------------------------------------------ GPU request
@@ -42,8 +51,7 @@ def validate(cfg: RunConfig) -> list[str]:
     problems: list[str] = []
     if not 1 <= cfg.workers <= MAX_WORKERS:
         problems.append(f"--workers must be between 1 and {MAX_WORKERS}, got {cfg.workers}")
-    if cfg.algo not in ALGOS:
-        problems.append(f"--algo must be one of {', '.join(ALGOS)}, got {cfg.algo!r}")
+    problems.extend(_check_code(cfg))
     if cfg.backend not in BACKENDS:
         problems.append(f"--backend must be one of {', '.join(BACKENDS)}, got {cfg.backend!r}")
     if cfg.progress not in PROGRESS_MODES:
@@ -69,6 +77,7 @@ def validate(cfg: RunConfig) -> list[str]:
     if cfg.restart_budget < 0:
         problems.append(f"--restart-budget must be >= 0, got {cfg.restart_budget}")
     problems.extend(_gpu_request(cfg)[2])  # its placement problems are the --workers/--groups ones above
+    problems.extend(_check_slurm(cfg))
     if cfg.image is not None:
         from launcher.image import valid_reference
 
@@ -77,10 +86,60 @@ def validate(cfg: RunConfig) -> list[str]:
                             f"(a lower-case name and an optional tag, e.g. launcher:0.1.0-cpu)")
     problems.extend(_check_env(cfg))
     problems.extend(_check_results(cfg.results))
-    try:
-        resolve_hparams(cfg.algo if cfg.algo in ALGOS else "ppo", plain_env_id(cfg.env_id), dict(cfg.hparams))
-    except (TypeError, ValueError) as exc:
-        problems.append(f"--set: {exc}")
+    # The launcher must refuse, before anything starts, what the master would refuse: the same table the run
+    # resolves from. A user's algorithm is checked where its code runs (the pre-flight probe, worker.envs.probe).
+    if cfg.algo in ALGOS:
+        try:
+            resolve_hparams(cfg.algo, plain_env_id(cfg.env_id), dict(cfg.hparams))
+        except (TypeError, ValueError) as exc:
+            problems.append(f"--set: {exc}")
+    return problems
+
+
+def _check_code(cfg: RunConfig) -> list[str]:
+    """``--algo``, ``--model`` and ``--acting`` as far as they can be judged without importing anything."""
+    from launcher.usercode import resolve, user_code
+
+    problems = []
+    for algo, model in ((cfg.algo, None), ("ppo", cfg.model)):  # each reference on its own: every problem at once
+        try:
+            resolve(algo, model, None)
+        except BadInput as exc:
+            problems.append(str(exc))
+    if not problems:
+        try:
+            user_code(cfg)  # the two together (two files of one name)
+        except BadInput as exc:
+            problems.append(str(exc))
+    if cfg.acting not in ACTING:
+        problems.append(f"--acting must be one of {', '.join(ACTING)}, got {cfg.acting!r}")
+    return problems
+
+
+def check_slurm_args(extra: Sequence[str]) -> list[str]:
+    """Problems with ``--slurm-arg`` values: each an option (``--account=lab``), none the plan sets itself."""
+    problems = []
+    for arg in extra:
+        name = arg.split("=", 1)[0]
+        if not arg.startswith("-"):
+            problems.append(f"--slurm-arg {arg!r}: not an sbatch option (e.g. --account=lab, --qos=normal)")
+        elif name in SLURM_OWN_OPTIONS:
+            problems.append(f"--slurm-arg {arg!r}: the launcher sets {name} itself from the plan "
+                            f"(--slurm-nodes, --slurm-partition, --gpus, --timeout)")
+    return problems
+
+
+def _check_slurm(cfg: RunConfig) -> list[str]:
+    """The Slurm options: a node count, sbatch options the plan does not set itself, ``--gpus`` auto or none."""
+    problems = []
+    if cfg.slurm_nodes is not None and cfg.slurm_nodes < 1:
+        problems.append(f"--slurm-nodes must be >= 1, got {cfg.slurm_nodes}")
+    if cfg.slurm_runtime not in SLURM_RUNTIMES:
+        problems.append(f"--slurm-runtime must be one of {', '.join(SLURM_RUNTIMES)}, got {cfg.slurm_runtime!r}")
+    problems.extend(check_slurm_args(cfg.slurm_args))
+    if cfg.backend == "slurm" and cfg.gpus.strip().lower() not in ("auto", "none"):
+        problems.append(f"--gpus {cfg.gpus!r} names GPUs of this host; with --backend slurm the scheduler picks each "
+                        f"step's GPUs: use --gpus auto or none")
     return problems
 
 

@@ -12,12 +12,13 @@ from typing import Any, Mapping
 
 from launcher.errors import BadInput
 from launcher.units import parse_duration, parse_size
-from worker.contract import ALGOS, DEFAULT_MAX_UTILIZATION_PCT, DEFAULT_MIN_FREE_MEMORY, SWARM_MASTER
+from worker.contract import ACTING, ALGOS, DEFAULT_MAX_UTILIZATION_PCT, DEFAULT_MIN_FREE_MEMORY, SWARM_MASTER
 
 SWARM_GROUPS = ("spread", "any")  # --swarm-groups (launcher.backends.swarm_specs.group_placement)
 
 
-BACKENDS = ("auto", "process", "docker", "swarm")
+BACKENDS = ("auto", "process", "docker", "swarm", "slurm")
+SLURM_RUNTIMES = ("auto", "docker", "process")  # --slurm-runtime (launcher.backends.slurm_specs.task_command)
 PROGRESS_MODES = ("auto", "live", "plain", "off")
 MAX_WORKERS = 1024
 CONFIG_FILE_NAME = "launcher.toml"
@@ -30,6 +31,8 @@ class RunConfig:
 
     env_id: str = "CartPole-v1"
     algo: str = "ppo"
+    model: str | None = None  # the user's model function (MODULE:function or FILE.py:function)
+    acting: str = "auto"  # how worker groups run the model: auto (numpy when every layer converts), numpy, tensorflow
     workers: int = 8
     backend: str = "auto"
     results: Path = Path("results")
@@ -54,6 +57,10 @@ class RunConfig:
     swarm_master: str = "auto"  # swarm backend: where the master runs (launcher.backends.swarm.master_placement)
     swarm_groups: str = "spread"  # swarm backend: where worker groups run (launcher.backends.swarm_specs.group_placement)
     build: str = "auto"  # docker backend: how a missing image is built (launcher.image.choose_build_path)
+    slurm_partition: str | None = None  # slurm backend: the partition (None: the cluster's default)
+    slurm_nodes: int | None = None  # slurm backend: nodes of the job (None: one per group, as many as usable)
+    slurm_runtime: str = "auto"  # slurm backend: where steps run on a node: its Docker engine or the shared venv
+    slurm_args: tuple[str, ...] = ()  # slurm backend: more sbatch options (--account=lab, --qos=normal)
     min_free_memory: str = DEFAULT_MIN_FREE_MEMORY
     max_utilization: float = DEFAULT_MAX_UTILIZATION_PCT
     lock_dir: Path | None = None
@@ -77,16 +84,10 @@ class RunConfig:
         d["env_args"] = dict(self.env_args)
         d["env_dir"] = None if self.env_dir is None else str(self.env_dir)
         d["with_packages"] = list(self.with_packages)
+        d["slurm_args"] = list(self.slurm_args)
         if self.wait_s is not None and math.isinf(self.wait_s):
             d["wait_s"] = "forever"  # JSON has no infinity; read back by the same option
         return d
-
-    @property
-    def effective_checkpoint_every(self) -> int:
-        """Updates between checkpoints: PPO updates are big and rare, A3C's small and frequent."""
-        if self.checkpoint_every is not None:
-            return self.checkpoint_every
-        return 25 if self.algo == "ppo" else 500
 
 
 FIELD_TYPES: dict[str, Any] = {f.name: f.type for f in dataclasses.fields(RunConfig)}
@@ -125,9 +126,16 @@ OPTIONS: tuple[Option, ...] = (
     Option("env", "env_id", "str", "gymnasium env id, e.g. CartPole-v1, launcher/Snake-v0, ALE/Pong-v5, or "
            "module:EnvId to import the module that registers it first (flappy_bird_gymnasium:FlappyBird-v0)",
            metavar="ID"),
-    Option("algo", "algo", "choice", "algorithm", choices=ALGOS),
+    Option("algo", "algo", "str", f"algorithm: a built-in ({', '.join(ALGOS)}), or your own as FILE.py:Class or "
+           "MODULE:Class (a worker.api.Algorithm subclass; docs/algorithms.md). `--set help` lists its "
+           "hyper-parameters", metavar="NAME|REF"),
+    Option("model", "model", "str", "your Keras model instead of the algorithm's: FILE.py:function or "
+           "MODULE:function, called as function(spaces, hparams)", nullable=True, metavar="REF"),
+    Option("acting", "acting", "choice", "how worker groups run the model: auto (numpy when every layer has a "
+           "numpy implementation, else TensorFlow), numpy, tensorflow", choices=ACTING),
     Option("workers", "workers", "int", "number of workers (env instances)", metavar="N"),
-    Option("backend", "backend", "choice", "where to run; auto: docker if an engine answers, else process",
+    Option("backend", "backend", "choice", "where to run; auto: docker if an engine answers, else process; slurm: "
+           "one Slurm job whose steps are the master and the groups (docs/scaling-out.md)",
            choices=BACKENDS),
     Option("results", "results", "path", "results root; each run gets a directory in it", metavar="DIR"),
     Option("max-steps", "max_steps", "int", "total env steps ('none': no limit)", nullable=True, metavar="N"),
@@ -143,7 +151,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("timeout", "timeout_s", "duration", "hard wall-clock limit, e.g. 90s, 15m, 1h30m (exit 4)",
            nullable=True, metavar="DURATION"),
     Option("port", "port", "int", "master port on 127.0.0.1 (process backend); 0: any free port", metavar="N"),
-    Option("checkpoint-every", "checkpoint_every", "int", "updates between checkpoints (default: 25 ppo, 500 a3c)",
+    Option("checkpoint-every", "checkpoint_every", "int", "updates between checkpoints (default: the algorithm's; 25 ppo, 500 a3c)",
            nullable=True, metavar="N"),
     Option("restart-budget", "restart_budget", "int", "restarts per worker group", metavar="N"),
     Option("min-free-memory", "min_free_memory", "size", "least free memory per GPU, e.g. 8GiB", metavar="SIZE"),
@@ -161,6 +169,15 @@ OPTIONS: tuple[Option, ...] = (
     Option("swarm-groups", "swarm_groups", "choice", "swarm backend: where worker groups run; spread: off the "
            "master's node when other ready nodes can hold them; any: wherever the scheduler likes",
            choices=SWARM_GROUPS),
+    Option("slurm-partition", "slurm_partition", "str", "slurm backend: the partition to submit to (default: the "
+           "cluster's default partition)", nullable=True, metavar="NAME"),
+    Option("slurm-nodes", "slurm_nodes", "int", "slurm backend: nodes of the run's job ('none': one per group, as many "
+           "as the partition has usable)", nullable=True, metavar="N"),
+    Option("slurm-runtime", "slurm_runtime", "choice", "slurm backend: where each step runs on its node; docker: the "
+           "run's image on the node's Docker engine; process: python -m worker from the shared venv; auto: docker "
+           "where the node's engine answers, else process", choices=SLURM_RUNTIMES),
+    Option("slurm-arg", "slurm_args", "list", "slurm backend: one more sbatch option for the run's job, e.g. "
+           "--slurm-arg=--account=lab --slurm-arg=--qos=normal (repeatable)", metavar="OPTION"),
     Option("lock-dir", "lock_dir", "path", "GPU reservation lock directory", nullable=True, metavar="DIR"),
     Option("allow-other-users", "allow_other_users", "bool",
            "use GPUs where other users' processes run (default: skip them)"),

@@ -28,10 +28,18 @@ log = logging.getLogger(__name__)
 
 PING_TIMEOUT_S = 3
 API_TIMEOUT_S = 60
+# A helper container (the env check, the model export) runs the user's code: the engine keeps at most 1 MiB
+# of its output (json-file, one file: older output is dropped), and the launcher reads its last lines.
+HELPER_LOG_CONFIG = {"type": "json-file", "config": {"max-size": "1m", "max-file": "1"}}
+HELPER_LOG_TAIL_LINES = 2000
 
 
-def connect_client(timeout_s: float = API_TIMEOUT_S) -> "DockerClient":
+def connect_client(timeout_s: float = API_TIMEOUT_S, docker_host_url: str | None = None) -> "DockerClient":
     """A Docker client that has answered a ping (like ``docker version``).
+
+    ``docker_host_url``: another engine than ``$DOCKER_HOST`` (a swarm node's, see
+    :mod:`launcher.backends.swarm_gone`), reached with the same TLS settings (``DOCKER_TLS_VERIFY``,
+    ``DOCKER_CERT_PATH``) as ``$DOCKER_HOST`` would be.
 
     Raises:
         MissingDependency: no engine answers; the message names the DOCKER_HOST value seen.
@@ -42,10 +50,11 @@ def connect_client(timeout_s: float = API_TIMEOUT_S) -> "DockerClient":
         raise MissingDependency("the docker Python package is not installed",
                                 hint="`pip install docker` (scripts/setup.sh installs it)") from exc
     try:
-        client = docker.client.from_env(timeout=max(1, int(timeout_s)))
+        environment = None if docker_host_url is None else {**os.environ, "DOCKER_HOST": docker_host_url}
+        client = docker.client.from_env(timeout=max(1, int(timeout_s)), environment=environment)
         client.ping()
     except Exception as exc:  # noqa: BLE001 - any SDK or transport error means: no engine here
-        raise MissingDependency(f"no Docker engine answers (DOCKER_HOST={docker_host()}): {exc}",
+        raise MissingDependency(f"no Docker engine answers (DOCKER_HOST={docker_host_url or docker_host()}): {exc}",
                                 hint=ENGINE_HINT) from exc
     return client
 
@@ -194,6 +203,15 @@ def labelled_containers(labels: Mapping[str, str | None] | None = None, *, runni
     return [c for c in found if c.status in ("running", "restarting", "paused")] if running_only else found, None
 
 
+# Docker's isolation of an --internal bridge filters only forwarded traffic: the host owns the bridge's
+# gateway address, so a container reached every service listening on the host's addresses (0.0.0.0) through
+# it (issue 25, finding 4). With no IPv4 address on the bridge the host neither answers on the run's subnet
+# nor has a route back to it; the members still reach each other, switched by the bridge. Docker 20.10
+# honours it on an internal bridge (tests/docker/test_run_network.py). Port publishing needs the address,
+# so only an internal bridge gets it.
+INTERNAL_BRIDGE_OPTIONS: Mapping[str, str] = {"com.docker.network.bridge.inhibit_ipv4": "true"}
+
+
 class Engine:
     """A connected Docker engine (``docker.from_env()``), with the calls the backends need.
 
@@ -201,8 +219,8 @@ class Engine:
     other engine error becomes a :class:`~launcher.errors.LauncherError` saying what was being done.
     """
 
-    def __init__(self, timeout_s: float = API_TIMEOUT_S) -> None:
-        self.client = connect_client(timeout_s)
+    def __init__(self, timeout_s: float = API_TIMEOUT_S, docker_host_url: str | None = None) -> None:
+        self.client = connect_client(timeout_s, docker_host_url)
         self._info: dict[str, Any] | None = None
 
     def close(self) -> None:
@@ -233,11 +251,14 @@ class Engine:
         """Create a network (like ``docker network create --internal``); returns its id.
 
         ``internal``: members reach each other by name but nothing outside; ``driver`` overlay with
-        ``attachable`` makes a Swarm run's network.
+        ``attachable`` makes a Swarm run's network. An internal bridge also gets no host address
+        (:data:`INTERNAL_BRIDGE_OPTIONS`, like ``-o com.docker.network.bridge.inhibit_ipv4=true``).
         """
+        options = dict(INTERNAL_BRIDGE_OPTIONS) if internal and driver == "bridge" else None
         net = engine_call(f"create network {name}", lambda: self.client.networks.create(
-            name, driver=driver, internal=internal, attachable=attachable or None, labels=dict(labels),
-            check_duplicate=True), hint=f"`launcher down` the run that owns it, or `docker network rm {name}`")
+            name, driver=driver, options=options, internal=internal, attachable=attachable or None,
+            labels=dict(labels), check_duplicate=True),
+            hint=f"`launcher down` the run that owns it, or `docker network rm {name}`")
         return str(net.id)
 
     def networks(self, labels: Mapping[str, str | None], *,
@@ -348,7 +369,7 @@ class Engine:
             engine_call(f"run a helper container of {image}", lambda: self.client.containers.run(
                 image, entrypoint=entrypoint, user=user, network_disabled=True, remove=True, labels=dict(labels),
                 cap_drop=["ALL"], security_opt=["no-new-privileges"], read_only=True, mem_limit=2**30,
-                memswap_limit=2**30, pids_limit=256,
+                memswap_limit=2**30, pids_limit=256, log_config=HELPER_LOG_CONFIG,
                 mounts=[Mount(target, source, type=kind, read_only=ro) for kind, source, target, ro in mounts]))
         except LauncherError as exc:
             log.warning("%s", exc)
@@ -357,21 +378,27 @@ class Engine:
 
     def run_capture(self, image: str, command: list[str], *, user: str, labels: Mapping[str, str],
                     read_only_binds: Mapping[str, str] | None = None, environment: Mapping[str, str] | None = None,
-                    timeout_s: float = 120.0) -> tuple[int, str, str]:
+                    timeout_s: float = 120.0, gpu_uuids: tuple[str, ...] = ()) -> tuple[int, str, str]:
         """Run ``command`` in a throw-away container of ``image`` to its end and return (exit status, stdout,
         stderr), like ``docker run --rm --network none --entrypoint CMD``; hardened like a run's containers (no
-        capabilities, ``no-new-privileges``, read-only root with a ``/tmp`` tmpfs, 2 GiB, 256 pids). The
-        container is removed whatever happens; past ``timeout_s`` it is killed (status 137).
+        capabilities, ``no-new-privileges``, read-only root with a ``/tmp`` tmpfs, 2 GiB, 256 pids). Its log is
+        capped by the engine (:data:`HELPER_LOG_CONFIG`: the code it runs is the user's, and may print without
+        end) and only its last :data:`HELPER_LOG_TAIL_LINES` lines of each stream are read. The container is
+        removed whatever happens; past ``timeout_s`` it is killed (status 137). ``gpu_uuids``: GPUs handed to
+        it as a run's containers get theirs (``--gpus '"device=UUID,..."'``).
         """
-        from docker.types import Mount
+        from docker.types import DeviceRequest, Mount
 
         mounts = [Mount(target=dst, source=src, type="bind", read_only=True)
                   for src, dst in (read_only_binds or {}).items()]
+        gpus: dict[str, Any] = {"device_requests": [DeviceRequest(
+            driver="nvidia", device_ids=list(gpu_uuids), capabilities=[["gpu"]])]} if gpu_uuids else {}
         container = engine_call(f"create a helper container of {image}", lambda: self.client.containers.create(
             image, entrypoint=command[:1], command=command[1:], user=user, network_disabled=True,
             labels=dict(labels), environment=dict(environment or {}), cap_drop=["ALL"],
             security_opt=["no-new-privileges"], read_only=True, tmpfs={"/tmp": "rw,nosuid,nodev,size=256m"},
-            mem_limit=2 * 2**30, memswap_limit=2 * 2**30, pids_limit=256, mounts=mounts),
+            mem_limit=2 * 2**30, memswap_limit=2 * 2**30, pids_limit=256, mounts=mounts,
+            log_config=HELPER_LOG_CONFIG, **gpus),
             hint=f"is {image} on this engine? `docker image inspect {image}`")
         try:
             engine_call(f"start helper container {container.short_id}", container.start)
@@ -381,8 +408,12 @@ class Engine:
             except Exception:  # noqa: BLE001 - a read timeout: it ran too long
                 engine_call(f"kill helper container {container.short_id}", container.kill, gone=None)
                 code = 137
-            out = engine_call("read its output", lambda: container.logs(stdout=True, stderr=False), gone=b"")
-            err = engine_call("read its output", lambda: container.logs(stdout=False, stderr=True), gone=b"")
+            # Its end only: the engine keeps at most HELPER_LOG_CONFIG's size, and what matters (the probe's
+            # answer, the exception) is last.
+            out = engine_call("read its output", lambda: container.logs(stdout=True, stderr=False,
+                                                                        tail=HELPER_LOG_TAIL_LINES), gone=b"")
+            err = engine_call("read its output", lambda: container.logs(stdout=False, stderr=True,
+                                                                        tail=HELPER_LOG_TAIL_LINES), gone=b"")
         finally:
             self.remove(container.id)
         return code, bytes(out).decode(errors="replace"), bytes(err).decode(errors="replace")

@@ -26,6 +26,10 @@ log = logging.getLogger(__name__)
 
 GPU_RESOURCE = "NVIDIA-GPU"  # the generic resource kind nodes advertise (daemon.json node-generic-resources)
 SECRET_FILE = "launcher-secret"  # the secret's file name under /run/secrets
+# A node label: the Docker host URL at which the launcher's machine reaches that node's own engine
+# (``docker node update --label-add launcher.engine=tcp://gpu-node-7:2376 gpu-node-7``); teardown asks it
+# whether the run's task containers are gone (launcher.backends.swarm_gone, docs/scaling-out.md).
+ENGINE_LABEL = "launcher.engine"
 RESTART_DELAY_S = 1.0  # between a group's failure and its next task
 LOGS_DEADLINE_S = 15.0  # the longest one service's logs may take to read (a lost node's stream never ends)
 STOP_GRACE_S = 8.0  # SIGTERM to SIGKILL for tasks the swarm stops (the master checkpoints in it)
@@ -251,6 +255,13 @@ class SwarmEngine:
             if t.service_id in out:
                 out[t.service_id].append(t)
         return out
+
+    def run_tasks(self, flt: Mapping[str, str | None]) -> list[TaskInfo]:
+        """Every task the swarm still lists whose service carried the labels, removed services included (a
+        task keeps its service's labels; the swarm drops a removed service's task once its node reported the
+        container stopped, a moment before the node removes the container)."""
+        found = engine_call("list tasks", lambda: self.client.api.tasks(filters={"label": label_filters(flt)}))
+        return [TaskInfo.from_attrs(attrs) for attrs in found]
 
     def service_logs(self, service: str, *, since: str | None = None, timestamps: bool = False,
                      deadline_s: float = LOGS_DEADLINE_S) -> bytes:

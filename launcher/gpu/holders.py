@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from launcher import safefs
 from launcher.engine.labels import GPUS_LABEL, GROUP_LABEL, ROLE_LABEL, RUN_LABEL
 
 _LOCK_LINE = re.compile(r"^\d+:\s+(?P<kind>\S+)\s+\S+\s+(?P<mode>READ|WRITE)\s+(?P<pid>-?\d+)\s+"
@@ -221,17 +222,21 @@ def write_note(holders_dir: Path, uuid: str, record: dict[str, Any]) -> Path | N
     return path
 
 
+NOTE_MAX_BYTES = 64 * 1024  # a holder note or a single-user lock file's text: a few hundred bytes in practice
+
+
 def read_label(note: Path | None, lock_path: Path, pid: int, uid: int | None) -> dict[str, Any]:
     """The holder's own words (run id, host, since): its ``note`` (store mode), believed only when owned by
-    the holder's uid, else the lock file's text (single-user mode), believed only when it names its pid."""
+    the holder's uid, else the lock file's text (single-user mode), believed only when it names its pid.
+
+    Any user can plant a file under a holder's note name (``holders/`` is 1733) or in the single-user lock
+    directory, so each is read through :mod:`launcher.safefs`: opened ``O_NONBLOCK|O_NOFOLLOW``, ``fstat``\\ ed
+    to be a regular file of the expected owner and at most :data:`NOTE_MAX_BYTES`, and only then read. A FIFO
+    or a huge sparse file there is a missing label, never a launcher that hangs or runs out of memory."""
+    path = note or lock_path
     try:
-        fd = os.open(note or lock_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        try:
-            if note is not None and os.fstat(fd).st_uid != uid:
-                return {}
-            raw = os.pread(fd, 65536, 0)
-        finally:
-            os.close(fd)
+        raw = safefs.read_bytes(path.parent, path.name, max_bytes=NOTE_MAX_BYTES,
+                                owner_uid=(-1 if uid is None else uid) if note is not None else None)
         data = json.loads(raw) if raw else {}
     except (OSError, ValueError):
         return {}

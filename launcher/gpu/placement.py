@@ -187,13 +187,8 @@ def _groups_for(workers: int, request: PlanRequest) -> int:
     return math.ceil(workers / request.max_workers_per_group) if workers else 0
 
 
-def workers_need_bytes(workers: int, request: PlanRequest) -> int:
-    """Bytes ``workers`` workers take on one GPU, in as few group processes as the group size allows."""
-    return _groups_for(workers, request) * _group_cost(request) + workers * request.worker_memory_bytes
-
-
 def worker_capacity(available_bytes: int, request: PlanRequest) -> int:
-    """The most workers that fit in ``available_bytes`` of one GPU (the inverse of :func:`workers_need_bytes`)."""
+    """The most workers that fit in ``available_bytes`` of one GPU ."""
     per_group, per_worker, size = _group_cost(request), request.worker_memory_bytes, request.max_workers_per_group
     full = per_group + size * per_worker
     if full == 0:

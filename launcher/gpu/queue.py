@@ -16,20 +16,26 @@ import contextlib
 import fcntl
 import json
 import logging
+import math
 import os
 import secrets
+import signal
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
+from launcher import safefs
 from launcher.errors import BadInput, NoResources
 from launcher.gpu.holders import user_name
 
 logger = logging.getLogger(__name__)
 
 POLL_S = 0.5
+# The loop's own check comes first; the alarm is for an attempt that blocks.
+DEADLINE_GRACE_S = 0.5
 _T = TypeVar("_T")
 
 
@@ -49,19 +55,52 @@ class Ticket:
         return {"user": self.user, "uid": self.uid, "run_id": self.run_id, "want": self.want, "since": self.since}
 
 
-def _alive(path: Path) -> bool | None:
-    """True: its waiter holds the ticket's lock; False: stale; None: gone or unreadable."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
-    except OSError:
-        return None
+TICKET_MAX_BYTES = 4096  # a ticket is ~100 bytes of JSON; a bigger one is read as having no run id
+
+
+def _alive(fd: int) -> bool:
+    """True: the ticket's waiter holds its lock; False: stale (its waiter died)."""
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except BlockingIOError:
         return True
-    finally:
-        os.close(fd)  # also drops our probe
+    fcntl.flock(fd, fcntl.LOCK_UN)
     return False
+
+
+def _read_ticket(queue_dir: Path, name: str, *, clean: bool) -> Ticket | None:
+    """One ticket, or None when it is stale (removed, if ours and ``clean``), gone, or not a regular file.
+
+    ``queue/`` is world-writable, so anything can be there under a ticket's name: the file is opened once
+    through :mod:`launcher.safefs` (``O_NONBLOCK|O_NOFOLLOW``, then ``fstat``: a FIFO, a device or a link is
+    skipped before any read), and the owner, the order, the lock probe and the text all come from that one
+    descriptor; the text is read only when it is at most :data:`TICKET_MAX_BYTES` (a huge sparse file costs
+    one ``fstat``)."""
+    try:
+        fd = safefs.open_beneath(queue_dir, name, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not _alive(fd):
+            if clean and (st.st_uid == os.geteuid() or os.geteuid() == 0):
+                with contextlib.suppress(OSError):
+                    (queue_dir / name).unlink()
+            return None
+        raw = os.pread(fd, TICKET_MAX_BYTES, 0) if st.st_size <= TICKET_MAX_BYTES else b""
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    try:
+        data = json.loads(raw.decode("utf-8") or "{}")
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        data = {}
+    data = data if isinstance(data, dict) else {}
+    return Ticket(name=name, uid=st.st_uid, user=user_name(st.st_uid),
+                  run_id=data.get("run_id") if isinstance(data.get("run_id"), str) else None,
+                  want=data.get("want") if isinstance(data.get("want"), str) else None,
+                  since=st.st_ctime_ns / 1e9, order=(st.st_ctime_ns, name))
 
 
 def read_queue(queue_dir: Path, *, clean: bool = True) -> list[Ticket]:
@@ -70,30 +109,7 @@ def read_queue(queue_dir: Path, *, clean: bool = True) -> list[Ticket]:
         names = sorted(p for p in os.listdir(queue_dir) if p.endswith(".ticket"))
     except OSError:
         return []
-    tickets = []
-    for name in names:
-        path = queue_dir / name
-        try:
-            st = os.stat(path, follow_symlinks=False)
-        except OSError:
-            continue
-        alive = _alive(path)
-        if alive is False:
-            if clean and (st.st_uid == os.geteuid() or os.geteuid() == 0):
-                with contextlib.suppress(OSError):
-                    path.unlink()
-            continue
-        if alive is None:
-            continue
-        try:
-            data = json.loads(path.read_text(encoding="utf-8") or "{}")
-        except (OSError, ValueError):
-            data = {}
-        data = data if isinstance(data, dict) else {}
-        tickets.append(Ticket(name=name, uid=st.st_uid, user=user_name(st.st_uid),
-                              run_id=data.get("run_id") if isinstance(data.get("run_id"), str) else None,
-                              want=data.get("want") if isinstance(data.get("want"), str) else None,
-                              since=st.st_ctime_ns / 1e9, order=(st.st_ctime_ns, name)))
+    tickets = [t for t in (_read_ticket(queue_dir, name, clean=clean) for name in names) if t is not None]
     return sorted(tickets, key=lambda t: t.order)
 
 
@@ -139,17 +155,43 @@ class Waiter:
         self.leave()
 
 
+@contextlib.contextmanager
+def _hard_deadline(wait_s: float, run_id: str) -> Iterator[None]:
+    """Raise NoResources in the main thread once ``wait_s`` seconds have passed, whatever it is doing then.
+
+    The loop in :func:`wait_in_queue` checks its deadline between attempts; this bounds one attempt too
+    (reading NVML and the engine, listing the holders, placing), so ``--wait 10s`` answers in about 10 s even
+    if a step blocks. ``SIGALRM`` interrupts a blocking system call; off the main thread (or with no
+    ``SIGALRM``) only the loop's own check applies."""
+    if not math.isfinite(wait_s) or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def expired(signum: int, frame: object) -> None:
+        raise NoResources(f"waited {wait_s:g} s for GPUs for run {run_id}, and placing the run had not finished "
+                          "by then", hint="try again later, wait longer (--wait 1h), or see `launcher gpus`")
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.setitimer(signal.ITIMER_REAL, max(wait_s, 0.001) + DEADLINE_GRACE_S)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 def wait_in_queue(queue_dir: Path, *, run_id: str, want: str, wait_s: float, attempt: Callable[[], _T],
                   report: Callable[[str], None] | None = None, busy: Callable[[], str] | None = None,
                   sleep: Callable[[float], None] = time.sleep) -> _T:
     """Queue until this launcher is at the head and ``attempt()`` succeeds; returns what it returned.
 
     ``attempt`` raises NoResources while the GPUs are taken; ``report`` receives a line when the place or the
-    holders change; ``busy`` says who holds what we wait for. Raises NoResources after ``wait_s`` seconds.
+    holders change; ``busy`` says who holds what we wait for. Raises NoResources after ``wait_s`` seconds,
+    also when an attempt is still running then (:func:`_hard_deadline`).
     """
     deadline = time.monotonic() + wait_s
     last_line = None
-    with Waiter(queue_dir, run_id, want) as me:
+    with _hard_deadline(wait_s, run_id), Waiter(queue_dir, run_id, want) as me:
         while True:
             place, tickets = me.place()
             why = ""
@@ -167,4 +209,4 @@ def wait_in_queue(queue_dir: Path, *, run_id: str, want: str, wait_s: float, att
             if time.monotonic() >= deadline:
                 raise NoResources(f"waited {wait_s:g} s for GPUs and none came free for run {run_id}: {line}",
                                   hint="try again later, wait longer (--wait 1h), or see `launcher gpus`")
-            sleep(POLL_S)
+            sleep(min(POLL_S, max(0.0, deadline - time.monotonic())))

@@ -16,7 +16,8 @@ from typing import Any
 from launcher.errors import BadInput
 from launcher.gpu.placement import PlanRequest
 from launcher.units import parse_size
-from worker.contract import DEFAULT_MAX_UTILIZATION_PCT, DEFAULT_MIN_FREE_MEMORY, resolve_hparams
+from worker.algorithms.hparams import resolve as resolve_hparams
+from worker.contract import DEFAULT_MAX_UTILIZATION_PCT, DEFAULT_MIN_FREE_MEMORY
 
 DEFAULT_SAMPLES = 3
 DEFAULT_INTERVAL_S = 0.2

@@ -19,7 +19,6 @@ import fcntl
 import json
 import logging
 import os
-import re
 import socket
 import stat
 import time
@@ -32,7 +31,7 @@ from typing import Any
 from launcher.errors import BadInput, MissingDependency, NoResources
 from launcher.gpu.holders import (exclusive_holders, file_key, proc_info, read_label, read_proc_locks, user_name,
                                   write_note)
-from launcher.gpu.store import InsecureSite, Site, find_site
+from launcher.gpu.store import InsecureSite, Site, find_site, valid_uuid
 
 logger = logging.getLogger(__name__)
 
@@ -40,15 +39,9 @@ DEFAULT_LOCK_DIR = "/tmp/launcher-locks"
 LOCK_DIR_ENV = "LAUNCHER_LOCK_DIR"
 LOCK_SCHEMA = "launcher.lock/v1"
 
-_UUID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 # A probe from an older launcher holds a shared lock for microseconds; retry this long before calling a GPU busy.
 _PROBE_RETRY_S = 0.05
 _UNSET: Any = object()
-
-
-def valid_uuid(uuid: str) -> bool:
-    """Whether ``uuid`` can name a lease file (GPU-/MIG- UUIDs; no path separators)."""
-    return bool(_UUID_RE.match(uuid))
 
 
 def default_lock_dir() -> Path:
@@ -208,17 +201,25 @@ def _open_store_file(path: Path, uuid: str) -> int:
 
 def _open_lock_file(path: Path) -> tuple[int, bool]:
     """Single-user mode: open (creating) a lock file without following symlinks; (fd, writable)."""
-    flags = os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+    flags = os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK  # a planted FIFO must not block the open
     try:
         fd = os.open(path, flags | os.O_RDWR, 0o666)
+        writable = True
     except PermissionError:
         # Another user's file made without group/other write: the lock still works on a read-only fd.
-        return os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC), False
+        fd, writable = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK), False
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             raise BadInput(f"GPU lock file {path} is a symlink; refusing to follow it",
                            hint="remove it; someone may be tampering with the lock directory") from exc
         raise
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise BadInput(f"GPU lock file {path} is not a regular file (mode {st.st_mode:o}, owner uid {st.st_uid}); "
+                       "refusing to use it", hint="remove it; someone may be tampering with the lock directory")
+    if not writable:
+        return fd, False
     try:
         if os.fstat(fd).st_uid == os.getuid():
             os.fchmod(fd, 0o666)  # the umask took write from other users; they must be able to lock it too

@@ -24,6 +24,7 @@ store of their own: only root can make a file that passes.
 from __future__ import annotations
 
 import os
+import re
 import stat
 import tomllib
 from dataclasses import dataclass
@@ -39,6 +40,14 @@ DEFAULT_POLICY = Path("/etc/launcher/policy.toml")
 LEASES, QUEUE, HOLDERS = "leases", "queue", "holders"
 NO_STORE_NOTE = ("no admin lease store (/etc/launcher/site.toml): GPU leases hold between this user's runs only; "
                  "`sudo launcher admin init` makes them hold between users")
+# What may name a lease file: GPU-/MIG- UUIDs, no path separators. Here, beside the store that holds one file per
+# UUID, so that both this module and launcher.gpu.reservations check names without importing each other.
+_UUID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+def valid_uuid(uuid: str) -> bool:
+    """Whether ``uuid`` can name a lease file (GPU-/MIG- UUIDs; no path separators)."""
+    return bool(_UUID_RE.match(uuid))
 
 
 class InsecureSite(LauncherError):
@@ -173,7 +182,6 @@ def admin_init(uuids: Iterable[str], *, site_file: Path = SITE_FILE, store: Path
     _ensure_dir(site.leases, 0o755, made)
     _ensure_dir(site.queue, 0o1777, made)  # sticky; listable: every waiter must see the whole queue
     _ensure_dir(site.holders, 0o1733, made)
-    from launcher.gpu.reservations import valid_uuid
 
     done = []
     for uuid in dict.fromkeys(uuids):

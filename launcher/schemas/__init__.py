@@ -21,9 +21,10 @@ STATUS_LIST_SCHEMA = "launcher.status-list/v1"  # launcher status --json (every 
 RUNS_SCHEMA = "launcher.runs/v1"  # launcher runs --json
 EVAL_SCHEMA = "launcher.eval/v1"  # launcher eval --json
 CONFIG_SCHEMA = "launcher.config-show/v1"  # launcher config show --json
+CHECK_SCHEMA = "launcher.check/v1"  # launcher check --json
 
 ALL = (RESULT_SCHEMA, PLAN_SCHEMA, GPUS_SCHEMA, STATUS_SCHEMA, RUN_STATUS_SCHEMA, STATUS_LIST_SCHEMA, RUNS_SCHEMA,
-       EVAL_SCHEMA, CONFIG_SCHEMA)
+       EVAL_SCHEMA, CONFIG_SCHEMA, CHECK_SCHEMA)
 
 
 def file_name(schema_id: str) -> str:

@@ -1,0 +1,140 @@
+"""``--with`` extras: the worker image plus a few packages, as a small derived image.
+
+``FROM base``, the extras installed from wheels downloaded on this host, no network in the build
+(``docker/Dockerfile.extras``). Tagged :func:`launcher.image.extras_tag` (the base's tag with ``-with-<hash>``);
+an image with that tag on the engine is taken as it is. The recipe (values, hash, tag) is in
+:mod:`launcher.image`; the build step shared with the base image in :mod:`launcher.image_engine_build`.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable
+
+from launcher.engine.client import connect_client
+from launcher.engine.images import image_exists, inspect_image, remove_untagged
+from launcher.errors import MissingDependency
+from launcher.image import (EXTRAS_BASE_LABEL, EXTRAS_DOCKERFILE, EXTRAS_LABEL, EXTRAS_PACKAGES_LABEL, BuildOptions,
+                            BuildResult, extras_hash, extras_tag, find_context)
+from launcher.image_cancel import stoppable
+from launcher.image_engine_build import docker_build, normalize
+from launcher.image_progress import BuildReporter, BuildStatus, Progress, as_reporter
+
+if TYPE_CHECKING:
+    from launcher.engine.client import DockerClient
+    from launcher.image import Extra
+
+EXTRAS_CACHE = "docker/wheels/extras"  # under the context: wheels pip downloaded for --with, kept between builds
+_SAVED = re.compile(r"^\s*(?:Saved|File was already downloaded)\s+(\S+\.whl)\s*$")
+
+
+def download_extras(extras: tuple["Extra", ...], dest: Path, report: BuildReporter | Progress, *,
+                    find_links: tuple[Path, ...] = ()) -> list[Path]:
+    """Download wheels for ``extras`` and what they depend on into ``dest`` on this host, for the image's
+    platform (CPython 3.11, manylinux x86_64), like ``docker/fetch-wheels.sh`` (``pip download
+    --only-binary=:all:``). Files already in ``dest`` are not downloaded again; ``find_links`` (the base
+    image's wheel directory) lets pip take dependencies from there with no index.
+
+    Returns the wheel files the extras need (their dependencies included).
+
+    Raises:
+        MissingDependency: pip could not get them (no index, no wheel for the platform), with pip's last lines.
+    """
+    rep = as_reporter(report, "extras")
+    dest.mkdir(parents=True, exist_ok=True)
+    platforms = ["--platform", "manylinux2014_x86_64"]
+    for minor in range(5, 37):
+        platforms += ["--platform", f"manylinux_2_{minor}_x86_64"]
+    argv = [sys.executable, "-m", "pip", "download", "--dest", str(dest), "--only-binary=:all:", "--implementation",
+            "cp", "--python-version", "3.11", "--abi", "cp311", "--abi", "abi3", "--abi", "none", *platforms,
+            "--progress-bar", "off", "--retries", "1", "--timeout", "15"]
+    for d in find_links:
+        if d.is_dir():
+            argv += ["--find-links", str(d)]
+    argv += [str(e.wheel) if e.wheel is not None else e.spec for e in extras]
+    # A host's own wheel directories hold wheels for the host, not the image (as in fetch-wheels.sh).
+    env = {k: v for k, v in os.environ.items() if k not in ("PIP_FIND_LINKS", "PIP_NO_INDEX")}
+    env["PIP_DISABLE_PIP_VERSION_CHECK"] = "1"
+    rep.say(f"downloading wheels for {' '.join(e.spec for e in extras)} (cp311, manylinux x86_64) into {dest}")
+    try:
+        proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=900)
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise MissingDependency(f"cannot run pip download for --with: {exc}") from exc
+    lines = [line.rstrip() for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
+    for line in lines:
+        rep.output(line)
+    if proc.returncode != 0:
+        tail = "\n".join(f"    {line}" for line in lines[-8:])
+        raise MissingDependency(
+            f"pip could not download wheels for --with {' '.join(e.spec for e in extras)} (CPython 3.11, manylinux "
+            f"x86_64, wheels only):\n{tail}",
+            hint="check the name and version (`pip index versions NAME`); a package with no wheel for Linux "
+                 "x86_64 must be built into a wheel first (`pip wheel --no-deps -w dist .`) and given as --with "
+                 "dist/<file>.whl; with no index here, put every wheel it needs in docker/wheels/extras/")
+    files = [Path(m.group(1)) for line in lines if (m := _SAVED.match(line))]
+    return sorted({f.resolve() for f in files})  # pip prints them relative to its working directory (ours)
+
+
+def build_extras_image(base: str, extras: tuple["Extra", ...], *, client: "DockerClient | None" = None,
+                       progress: Progress = lambda line: None, on_build: Callable[[BuildStatus], None] | None = None,
+                       context: Path | None = None, no_cache: bool = False) -> BuildResult:
+    """Build (or find) the image ``base`` plus ``extras``: ``FROM base``, the extras installed from wheels
+    downloaded on this host, no network in the build (``docker/Dockerfile.extras``). Tagged
+    :func:`launcher.image.extras_tag` (the base's tag with ``-with-<hash>``), labelled ``launcher.extras``.
+    An image with that tag on the engine is taken as it is (seconds).
+
+    Raises:
+        MissingDependency: the base is not on the engine, or the wheels cannot be downloaded.
+        ImageBuildFailed: pip inside the build failed (the message has its output).
+        BuildInterrupted: SIGINT/SIGTERM; the build's layers are removed.
+    """
+    client = client or connect_client()
+    root = context or find_context()
+    if not image_exists(base, client):
+        raise MissingDependency(f"base image {base} is not on this Docker engine; --with builds on top of it",
+                                hint="`launcher build` makes it first (--offline without a registry)")
+    base_id = str(inspect_image(base, client)["Id"])
+    digest = extras_hash(base_id, extras)
+    tag = extras_tag(base, digest)
+    t0 = time.monotonic()
+    if image_exists(tag, client) and not no_cache:
+        progress(f"image {tag} (with {' '.join(e.spec for e in extras)}) is on the engine already")
+        info = inspect_image(tag, client)
+        return BuildResult(tag, str(info["Id"]), int(info.get("Size", 0)), 0.0)
+    report = BuildReporter(tag, progress, on_build)
+    with stoppable(report, client) as layers:
+        report.enter("wheels")
+        files = download_extras(extras, root / EXTRAS_CACHE, report, find_links=(root / "docker" / "wheels" / "cpu",))
+        requirements = [f"/wheels/{e.wheel.name}" if e.wheel is not None else e.spec for e in extras]
+        report.enter("docker build")
+        report.say(f"building {tag} FROM {base} with {' '.join(e.spec for e in extras)} (no network)")
+        with tempfile.TemporaryFile() as fileobj:
+            with tarfile.open(fileobj=fileobj, mode="w") as tar:
+                tar.add(root / EXTRAS_DOCKERFILE, arcname="Dockerfile", filter=normalize)
+                for f in files:
+                    tar.add(f, arcname=f"wheels/{f.name}", filter=normalize)
+                data = ("\n".join(requirements) + "\n").encode()
+                member = tarfile.TarInfo("requirements.txt")
+                member.size = len(data)
+                tar.addfile(normalize(member), io.BytesIO(data))
+            fileobj.seek(0)
+            labels = {EXTRAS_LABEL: digest, EXTRAS_PACKAGES_LABEL: json.dumps([e.key for e in extras]),
+                      EXTRAS_BASE_LABEL: base}
+            docker_build(client, fileobj, BuildOptions(tag=tag, base_image=base, context=root), report, layers,
+                         buildargs={"BASE_IMAGE": base}, network_none=True, no_cache=no_cache, labels=labels)
+    # The extras stage (wheels inside) is no use once the tagged image exists: that tag is the cache.
+    remove_untagged(layers, client)
+    info = inspect_image(tag, client)
+    result = BuildResult(tag, str(info["Id"]), int(info.get("Size", 0)), time.monotonic() - t0)
+    progress(f"built {tag} ({result.image_id[7:19]}, FROM {base} with {' '.join(e.spec for e in extras)}) "
+             f"in {result.seconds:.0f} s")
+    return result
