@@ -1,9 +1,13 @@
 """Shared pytest configuration."""
 
-pytest_plugins = ["tests.nvml_fixtures"]
+# First: it hides the host's admin lease store and site policy (a private mount namespace) before anything else
+# runs, and checks at the end that the suite left them and the user list as they were.
+pytest_plugins = ["tests.host_guard"]
+pytest_plugins += ["tests.nvml_fixtures"]
 pytest_plugins += ["tests.docker_fixtures"]  # docker_client, launcher_image, run_container
 pytest_plugins += ["tests.run_fixtures"]  # trained_cartpole: one real run trained to 475, per session
 pytest_plugins += ["tests.testbed.fixtures"]  # swarm_bed, fresh_engine, bed_factory: extra daemons (root)
+pytest_plugins += ["tests.slurmbed.fixtures"]  # slurm_bed: slurmctld + slurmd's in namespaces (root)
 
 import signal
 

@@ -61,7 +61,8 @@ def launcher_image(docker_client: Any) -> str:
     return result.tag
 
 
-PAUSE_IMAGE = "launcher-test-pause:latest"
+# Per session: a second test session on the same engine (another checkout) removes its own at its end, not ours.
+PAUSE_IMAGE = f"launcher-test-pause:{os.getpid()}"
 
 
 @pytest.fixture(scope="session")

@@ -31,8 +31,13 @@ def run_launcher(*args: str, timeout: float = 300, **env: str) -> subprocess.Com
                           timeout=timeout)
 
 
+def run_dirs(root: Path) -> list[Path]:
+    """The runs' results directories under a results root, by name: not the launcher's records (``.launcher``)."""
+    return sorted(p for p in root.iterdir() if not p.name.startswith(".")) if root.is_dir() else []
+
+
 def only_run(root: Path) -> Path:
-    runs = [p for p in root.iterdir() if p.is_dir()]
+    runs = [p for p in run_dirs(root) if p.is_dir()]
     assert len(runs) == 1, f"expected one run under {root}, found {runs}"
     return runs[0]
 

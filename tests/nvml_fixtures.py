@@ -56,6 +56,8 @@ from typing import Any
 
 import pytest
 
+from tests.host_guard import skip_beside_an_admin_store
+
 REPO = Path(__file__).resolve().parents[1]
 STUB_SOURCE = Path(__file__).parent / "nvml_stub" / "nvml_stub.c"
 BUILD_DIR = STUB_SOURCE.parent / "build"
@@ -175,13 +177,15 @@ _loaded_in_process: Path | None = None
 def nvml_stub(nvml_stub_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[NvmlStub]:
     """The stub loaded into this process (and ready for subprocesses); configure it with ``.configure()``.
 
-    ``LAUNCHER_LOCK_DIR`` points into the test's temporary directory so tests never touch real locks.
+    ``LAUNCHER_LOCK_DIR`` points into the test's temporary directory so tests never touch real locks (skipped
+    where the host's admin store is in view: the launcher would refuse it, see tests/host_guard.py).
     """
     global _loaded_in_process
     import pynvml
 
     from launcher.gpu import nvml
 
+    skip_beside_an_admin_store()
     lib = nvml_stub_dir / LIB_NAME
     if _loaded_in_process is None:
         if pynvml.nvmlLib is not None:

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import child_env, launcher_cmd
+from tests.helpers import child_env, launcher_cmd, run_dirs
 
 TARGET_RETURN = 475.0
 
@@ -35,7 +35,7 @@ class CliRun:
 
     @property
     def run_dir(self) -> Path:
-        (run,) = [p for p in self.root.iterdir() if p.is_dir()]
+        (run,) = [p for p in run_dirs(self.root) if p.is_dir()]
         return run
 
     @property

@@ -33,8 +33,8 @@ from launcher.runs import create_run_dir, new_secret
 from launcher.supervisor import Budget
 from launcher.up import build_spec
 from tests.docker_fixtures import as_invoker, ours
-from tests.helpers import ROOT, child_env, launcher_cmd, only_run, read_json, run_launcher, status_of, wait_for
-from worker.spec import RunSpec
+from tests.helpers import ROOT, child_env, launcher_cmd, only_run, read_json, run_launcher, status_of, wait_for, run_dirs
+from worker.contract import RunSpec
 
 GiB = 1024**3
 
@@ -202,7 +202,7 @@ def test_a_refused_start_leaves_the_runs_containers_alone(tmp_path: Path) -> Non
 
 # --------------------------------------------------------------------------------------- real engine
 RESULT_FILES = ("summary.json", "status.json", "metrics.jsonl", "learning_curve.png", "model/final_model.keras",
-                "model/policy.npz", "model/architecture.json", "checkpoints/checkpoint", "logs/master.log",
+                "model/policy.npz", "model/policy.json", "checkpoints/checkpoint", "logs/master.log",
                 "logs/group-0.log")
 
 
@@ -256,7 +256,7 @@ def test_solves_cartpole_in_containers_through_a_group_crash(launcher_image: str
                      "--until-return", "475", "--max-steps", "600000", "--results", str(runs_under), "--json"),
         cwd=ROOT, env=child_env(**env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        run = wait_for(lambda: next(iter(runs_under.iterdir()), None), 30, "the run directory")
+        run = wait_for(lambda: next(iter(run_dirs(runs_under)), None), 30, "the run directory")
         run_id = run.name
         wait_for(lambda: (status_of(run).get("env_steps") or 0) >= 8000, 120, "training to start")
 
@@ -352,7 +352,7 @@ def test_master_killed_then_resume_continues_from_the_checkpoint(launcher_image:
                      "--checkpoint-every", "5"),
         cwd=ROOT, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        run = wait_for(lambda: next(iter(runs_under.iterdir()), None), 30, "the run directory")
+        run = wait_for(lambda: next(iter(run_dirs(runs_under)), None), 30, "the run directory")
         wait_for(lambda: ((status_of(run).get("checkpoint") or {}).get("updates") or 0) >= 5, 120, "a checkpoint")
         _kill_hard(engine, master_name(run.name))
         out, err = proc.communicate(timeout=60)
@@ -422,7 +422,7 @@ def test_launch_latency_and_down_after_the_launcher_was_killed(launcher_image: s
                      "5000000", "--results", str(runs_under)),
         cwd=ROOT, env=child_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        run = wait_for(lambda: next(iter(runs_under.iterdir()), None), 30, "the run directory")
+        run = wait_for(lambda: next(iter(run_dirs(runs_under)), None), 30, "the run directory")
 
         def connected() -> int:
             groups = status_of(run).get("groups") or {}

@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import ROOT, child_env, launcher_cmd, wait_for
+from tests.helpers import ROOT, child_env, launcher_cmd, wait_for, run_dirs
 from tests.testbed import daemon
 from tests.testbed.bed import Bed, BedSpec
 from tests.testbed.fixtures import copy_image
@@ -66,7 +66,7 @@ def test_a_run_survives_an_engine_restart_and_leaves_nothing(bed_factory: Callab
         text=True)
     run_id = ""
     try:
-        run = wait_for(lambda: next((p for p in root.iterdir() if p.is_dir()), None), 120, "the run directory")
+        run = wait_for(lambda: next((p for p in run_dirs(root) if p.is_dir()), None), 120, "the run directory")
         run_id = run.name
         wait_for(lambda: (_status(run).get("env_steps") or 0) > 0 or proc.poll() is not None, 300, "training")
         assert proc.poll() is None, proc.communicate()[1][-3000:]

@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 import pytest
 
-from tests.helpers import ROOT, child_env
+from tests.helpers import ROOT, child_env, run_dirs
 from tests.testbed import daemon
 from tests.testbed.bed import Bed
 
@@ -106,7 +106,7 @@ def test_quickstart_on_an_engine_with_no_images_builds_offline_and_solves_cartpo
     assert built.get("at", setup_done) >= setup_done
     build_done = built.get("at")
     assert build_done is not None, "the image appeared on the fresh engine"
-    (run_dir,) = [p for p in results.iterdir() if p.is_dir()]
+    (run_dir,) = [p for p in run_dirs(results) if p.is_dir()]
     result = json.loads((run_dir / "result.json").read_text())
     assert result["state"] == "finished" and result["summary"]["target_reached"], result
     assert json.loads((run_dir / "run.json").read_text())["backend"] == "docker", "an engine answered: Docker"

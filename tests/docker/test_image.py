@@ -177,7 +177,7 @@ def test_ensure_image_builds_only_when_missing(monkeypatch: pytest.MonkeyPatch, 
 
 def test_build_records_carry_phase_and_step(monkeypatch: pytest.MonkeyPatch, context: Path) -> None:
     monkeypatch.setattr("launcher.image_build.prepare_offline", lambda options, report, client: None)
-    monkeypatch.setattr("launcher.image_build.TICK_S", 60.0)  # the ticker's repeats are tested below
+    monkeypatch.setattr("launcher.image_progress.TICK_S", 60.0)  # the ticker's repeats are tested below
     api = FakeAPI(events=[{"stream": "Step 1/2 : FROM x\n"}, {"stream": "Step 2/2 : RUN y\n"}, {"stream": "ok\n"}])
     records: list[BuildStatus] = []
     build_image(BuildOptions(tag="launcher:t", context=context), client=FakeClient(api), on_build=records.append)

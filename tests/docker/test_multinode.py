@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from tests.nvml_fixtures import machine
-from tests.helpers import ROOT, child_env, launcher_cmd, read_json, run_launcher, status_of, wait_for
+from tests.helpers import ROOT, child_env, launcher_cmd, read_json, run_launcher, status_of, wait_for, run_dirs
 from tests.testbed import bed as tb
 from tests.testbed import daemon, hostcheck, netns
 from tests.testbed.bed import Bed, BedSpec
@@ -192,7 +192,7 @@ def test_solves_cartpole_across_nodes_with_the_image_from_the_registry(swarm_bed
                      "--results", str(root), "--json", "--progress", "plain"),
         cwd=ROOT, env=_env_for(swarm_bed), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        run = wait_for(lambda: next(iter(root.iterdir()), None), 60, "the run directory")
+        run = wait_for(lambda: next(iter(run_dirs(root)), None), 60, "the run directory")
         wait_for(lambda: (status_of(run).get("env_steps") or 0) >= 2000, 240, "training to start")
         plan = read_json(run / "plan.json")
         groups = [g["index"] for g in plan["groups"]]
@@ -266,7 +266,7 @@ def test_a_node_lost_mid_run_its_group_rejoins_elsewhere_and_the_run_ends_by_its
     lost = swarm_bed.nodes[2]
     lost_at = restored_at = 0.0
     try:
-        run = wait_for(lambda: next(iter(root.iterdir()), None), 60, "the run directory")
+        run = wait_for(lambda: next(iter(run_dirs(root)), None), 60, "the run directory")
         wait_for(lambda: (status_of(run).get("env_steps") or 0) >= 2000, 240, "training to start")
         before = _group_tasks(swarm_bed, run.name)
         victims = [svc for svc, tasks in before.items() if any(node == lost.name for node, _ in tasks)]
@@ -350,7 +350,7 @@ def test_groups_reserve_gpus_the_nodes_advertise_and_see_exactly_the_ones_assign
             k: v for k, v in child_env().items() if k not in ("DOCKER_HOST",)}),
         capture_output=True, text=True, timeout=300)
     assert up.returncode == 0, up.stderr[-3000:]
-    (run,) = list(root.iterdir())
+    (run,) = list(run_dirs(root))
     try:
         plan = read_json(run / "plan.json")
         want = {f"launcher-{run.name}-group-{g['index']}": len(g["share"]["gpu_uuids"]) for g in plan["groups"]}
@@ -411,3 +411,57 @@ def test_logs_of_a_service_on_a_lost_node_come_back_within_the_deadline(swarm_be
     assert took < 8, f"the read returned after {took:.1f} s"
     hung = b"the rest of this output is unavailable" in out  # the engine's stream did not end by itself
     print(f"logs of a task on a lost node: {took:.1f} s, {'cut at the deadline' if hung else 'ended by the engine'}")
+
+
+def test_teardown_returns_only_when_no_node_holds_a_task_container(swarm_bed: Bed, small_image: str) -> None:
+    """Issue 24: removing a service returns before its node removes the task's container (the swarm even
+    forgets the task first). The launcher's teardown (the end of `up`, and `launcher down`) returns only when
+    no node holds one, asking each node's engine at its launcher.engine label; a node still holding one after
+    the bound is named, and one whose engine does not answer is named and not waited for."""
+    from launcher.backends.swarm_gone import TASK_LABEL, wait_gone
+    from launcher.backends.swarm_run import teardown
+    from launcher.engine.client import Engine
+    from launcher.engine.swarm import ENGINE_LABEL, SwarmEngine
+
+    m, n1, n2 = swarm_bed.nodes
+    rid = f"gone-{os.urandom(3).hex()}"
+    services, stuck = [f"launcher-{rid}-group-{i}" for i in (0, 1)], f"launcher-{rid}-stuck"
+    engine = Engine(docker_host_url=m.docker_host)
+    try:
+        for name, node in zip(services, (n1, n2)):
+            daemon.docker(m, "service", "create", "--detach", "--name", name, "--label", f"launcher.run={rid}",
+                          "--container-label", f"launcher.run={rid}", "--constraint", f"node.hostname=={node.name}",
+                          "--stop-grace-period", "1s", small_image, "python3", "-c", "import time; time.sleep(600)")
+        for name in services:
+            wait_for(lambda name=name: "Running" in daemon.docker(m, "service", "ps", name, "--format",
+                                                                  "{{.CurrentState}}").stdout, 120, f"{name} to run")
+        t0 = time.monotonic()
+        removed = teardown(engine, rid, grace_s=1.0)
+        took = time.monotonic() - t0
+        left = {n: names for n, names in _on_node(swarm_bed, f"launcher.run={rid}").items() if names}
+        assert sorted(removed.services) == services
+        assert left == {}, f"containers left on nodes right after teardown returned ({took:.1f} s): {left}"
+        # The bound: a container no swarm will remove (made on n1 directly, labelled like a task's) is named.
+        daemon.docker(n1, "create", "--name", stuck, "--label", f"launcher.run={rid}", "--label", f"{TASK_LABEL}=x",
+                      small_image, "true")
+        swarm = SwarmEngine(engine)
+        found = wait_gone(swarm, {"launcher.run": rid}, timeout_s=2)
+        assert found.held == {n1.name: [stuck]} and found.unasked == {} and found.waited_s >= 2, found
+        assert found.warnings(f"run {rid}", f"label=launcher.run={rid}") == [
+            f"run {rid}: node {n1.name} still holds {stuck} 2 s after the services were removed (on that node: "
+            f"`docker ps -a --filter label=launcher.run={rid}`)"]
+        # A node whose engine does not answer at its label is named, and not waited for.
+        daemon.docker(m, "node", "update", "--label-add", f"{ENGINE_LABEL}=unix:///nonexistent/docker.sock", n1.name)
+        try:
+            found = wait_gone(swarm, {"launcher.run": rid}, timeout_s=20)
+        finally:
+            daemon.docker(m, "node", "update", "--label-add", f"{ENGINE_LABEL}={n1.docker_host}", n1.name)
+        assert found.held == {} and found.waited_s < 10, found
+        assert list(found.unasked) == [n1.name] and "unix:///nonexistent/docker.sock" in found.unasked[n1.name] \
+            and "does not answer" in found.unasked[n1.name], found
+    finally:
+        daemon.docker(n1, "rm", "-f", stuck, check=False)
+        for name in services:
+            daemon.docker(m, "service", "rm", name, check=False)
+        engine.close()
+    print(f"teardown of two services on two nodes: {took:.1f} s")

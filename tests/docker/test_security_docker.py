@@ -205,7 +205,7 @@ def test_resume_of_a_detached_docker_run_is_refused_while_its_master_lives(tmp_p
                                                                         engine: Engine) -> None:
     """The launcher of a ``--detach`` run has exited; the master container holds the run's lease (a ``flock``
     on the bind-mounted results directory, the same inode as the host's). c1dca51 started a second master."""
-    from tests.helpers import run_launcher, status_of, wait_for
+    from tests.helpers import run_dirs, run_launcher, status_of, wait_for
 
     root = tmp_path / "results"
     root.mkdir()
@@ -214,7 +214,7 @@ def test_resume_of_a_detached_docker_run_is_refused_while_its_master_lives(tmp_p
     run_id = ""
     try:
         assert out.returncode == 0, out.stderr[-3000:]
-        run = next(p for p in root.iterdir() if p.is_dir())
+        run = next(p for p in run_dirs(root) if p.is_dir())
         run_id = run.name
         wait_for(lambda: (status_of(run).get("env_steps") or 0) > 0, 180, "the detached run to train")
         record = (run / "run.json").read_bytes()

@@ -38,9 +38,9 @@ from launcher.runs import create_run_dir, new_secret
 from launcher.engine.swarm import GPU_RESOURCE, NodeInfo, SwarmEngine, TaskInfo
 from launcher.up import build_spec
 from tests.docker_fixtures import as_invoker
-from tests.helpers import ROOT, child_env, launcher_cmd, only_run, read_json, run_launcher, status_of, wait_for
+from tests.helpers import ROOT, child_env, launcher_cmd, only_run, read_json, run_launcher, status_of, wait_for, run_dirs
 from worker.gpu_setup import adopt_swarm_gpus
-from worker.spec import RunSpec
+from worker.contract import RunSpec
 
 GiB = 1024**3
 
@@ -277,7 +277,7 @@ def swarm_runs_under(tmp_path: Path, swarm: SwarmEngine) -> Iterator[Path]:
     root.chmod(0o777)  # runs act as another user (see as_invoker)
     yield root
     left = _ours(swarm, root)
-    for run in root.iterdir():
+    for run in run_dirs(root):
         swarm_run.teardown(swarm.engine, run.name, grace_s=1)
     for v in swarm.client.volumes.list(filters={"label": dc.RUN_LABEL}):
         if v.attrs.get("Labels", {}).get(dc.RESULTS_LABEL, "").startswith(str(root.resolve())):
@@ -313,7 +313,7 @@ def test_solves_cartpole_on_a_swarm_through_a_killed_task(launcher_image: str, s
                      "--until-return", "475", "--max-steps", "600000", "--results", str(root), "--json"),
         cwd=ROOT, env=child_env(**env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        run = wait_for(lambda: next(iter(root.iterdir()), None), 30, "the run directory")
+        run = wait_for(lambda: next(iter(run_dirs(root)), None), 30, "the run directory")
         run_id = run.name
         wait_for(lambda: (status_of(run).get("env_steps") or 0) >= 2000, 150, "training to start")
         plan = read_json(run / "plan.json")

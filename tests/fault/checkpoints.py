@@ -14,27 +14,20 @@ def main(run: Path) -> int:
     """Print, as JSON, what each checkpoint the run's manager lists holds (see ``helpers.verify_checkpoints``)."""
     import tensorflow as tf
 
-    from worker.algorithms import hparams as hparams_mod
+    from tests.policy_fixtures import builtin, learner_of
     from worker.checkpoint import COUNTERS, Checkpointer
+    from worker.contract import RunSpec
     from worker.envs import make_env
-    from worker.models import Architecture
-    from worker.spec import RunSpec
 
     spec = RunSpec.from_json((run / "spec.json").read_text())
-    hp = hparams_mod.resolve(spec.algo, spec.env_id, spec.hparams)
     env = make_env(spec.env_id, seed=0)
-    arch = Architecture.for_spaces(env.observation_space, env.action_space, hp)
-    env.close()
-    if spec.algo == "ppo":
-        from worker.algorithms.ppo import PPOLearner as Learner
-    else:
-        from worker.algorithms.a3c import A3CLearner as Learner  # type: ignore[assignment]
     out = []
     state = tf.train.get_checkpoint_state(str(run / "checkpoints"))
     listed = list(state.all_model_checkpoint_paths) if state is not None else []
     for path in listed:
-        learner = Learner(arch, hp, 0)  # fresh variables each time: nothing carries over between restores
-        ck = Checkpointer(run / "checkpoints", learner.model, learner.optimizer, window=spec.return_window)
+        # Fresh variables each time (the run's algorithm, model and learner): nothing carries over between restores.
+        learner = learner_of(*builtin(env, algo=spec.algo, env_id=spec.env_id, hparams=spec.hparams))
+        ck = Checkpointer(run / "checkpoints", learner.checkpoint(), window=spec.return_window)
         entry: dict[str, Any] = {"path": os.path.basename(path), "ok": False, "error": None}
         try:
             # Read every tensor (each read checks the data file's CRCs), then restore it as the master does.

@@ -29,7 +29,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from tests.helpers import ROOT, child_env, processes_mentioning, read_json, wait_for
+from tests.helpers import ROOT, child_env, processes_mentioning, read_json, wait_for, run_dirs
 
 FULL = os.environ.get("FAULT_FULL") == "1"
 SEED = int(os.environ.get("FAULT_SEED") or random.SystemRandom().randrange(1 << 30))
@@ -200,7 +200,7 @@ def stop_proc(proc: subprocess.Popen[str], timeout: float = 60) -> None:
 
 def first_run(root: Path, timeout: float, *, needs: str = "run.json") -> Path:
     """The first run directory under ``root`` that has ``needs`` (waits for it)."""
-    found: Path = wait_for(lambda: next((p for p in sorted(root.iterdir()) if (p / needs).exists()), None)
+    found: Path = wait_for(lambda: next((p for p in sorted(run_dirs(root)) if (p / needs).exists()), None)
                            if root.is_dir() else None, timeout, f"a run directory with {needs} under {root}")
     return found
 

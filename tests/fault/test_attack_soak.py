@@ -36,7 +36,7 @@ from tests.helpers import ROOT, SECRET, child_env, status_of, wait_for
 from worker import protocol as p
 from worker.protocol import Connection, MsgType
 from worker.protocol.handshake import _identity, _mac
-from worker.spec import GroupAssignment, RunSpec
+from worker.contract import GroupAssignment, RunSpec
 
 ATTACK_S = float(os.environ.get("ATTACK_S") or (60 if FULL else 20))
 MAX_CONNECTIONS = 64

@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 
 from tests.fault.helpers import FULL, count, record
-from tests.helpers import ROOT, wait_for
+from tests.helpers import ROOT, wait_for, run_dirs
 from tests.nvml_fixtures import NvmlStub, machine
 
 
@@ -100,7 +100,7 @@ def test_simultaneous_launchers_never_share_gpus_names_or_directories(nvml_stub:
         tallies[n] = tally
         assert tally["errors"] == 0, tally
         assert tally["gpus_held_max"] <= 4
-    dirs = [p for p in root.iterdir() if p.is_dir()]
+    dirs = [p for p in run_dirs(root) if p.is_dir()]
     assert len(dirs) == len({p.name for p in dirs}) == trials // 2 * 6, "one results directory per launch"
     record("concurrency_prepare", trials=f"{trials // 2} x 2 launchers + {trials // 2} x 4 launchers",
            launches=trials // 2 * 6, overlaps=0, shared_names=0, two=tallies[2], four=tallies[4],

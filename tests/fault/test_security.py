@@ -13,6 +13,7 @@ from __future__ import annotations
 import ast
 import os
 import socket
+import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -169,6 +170,13 @@ def test_containers_and_network_docker_backend(tmp_path: Path, launcher_image: s
         ip = next(iter(master["NetworkSettings"]["Networks"].values()))["IPAddress"]
         figures["host_to_published_127.0.0.1"] = _probe("127.0.0.1", MASTER_PORT)
         figures["host_to_container_ip"] = _probe(ip, MASTER_PORT)
+        # The run's bridge has no host address (issue 25, finding 4): the host has no route onto it either,
+        # so that dial leaves by the default route, if any (on a machine whose gateway accepts any TCP
+        # connection it "connects", to the gateway, and no CHALLENGE comes).
+        bridge = f"br-{engine.client.networks.get(network_name(run.name)).id[:12]}"
+        route = subprocess.run(["ip", "-o", "route", "get", ip], capture_output=True, text=True).stdout.split()
+        figures["host_route_to_container_ip"] = route[route.index("dev") + 1] if "dev" in route else "none"
+        assert figures["host_route_to_container_ip"] != bridge, (bridge, route)
         code = drain.wait(timeout=300)
     finally:
         stop_proc(proc)
@@ -177,10 +185,10 @@ def test_containers_and_network_docker_backend(tmp_path: Path, launcher_image: s
     assert left == ([], [])
     assert not files_containing(root, secret), files_containing(root, secret)
     assert secret.decode() not in drain.stdout + drain.stderr
-    # Whatever the host can reach, it is the authenticated protocol: a forged HELLO is refused.
+    # Whatever the host can reach, it is the authenticated protocol: a forged HELLO is refused. Anything but a
+    # CHALLENGE did not reach the master ("connected, then ...": something else took the connection).
     for where in ("host_to_published_127.0.0.1", "host_to_container_ip"):
-        assert figures[where] in ("refused", "timeout") or figures[where].startswith("unreachable") or \
-            figures[where].endswith("REJECT"), figures
+        assert not figures[where].startswith("challenge") or figures[where].endswith("REJECT"), figures
     record("security_docker", user="non-root", cap_drop="ALL", cap_add="none", no_new_privileges=True,
            privileged=False, read_only_rootfs=True, published_ports=0, network_internal=True, secret_in_argv=0,
            secret_in_results_or_logs=0, secret_in_docker_inspect_env="no (a 0400 file, read-only bind)",

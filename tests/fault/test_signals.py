@@ -27,7 +27,7 @@ import pytest
 from tests.docker_fixtures import cleanup_docker, ours
 from tests.fault.helpers import (FAULT_UID, Drain, count, first_run, launcher_proc, record, rng, status, stop_proc,
                                  unreadable_json)
-from tests.helpers import ROOT, child_env, launcher_cmd, processes_mentioning, read_json, wait_for
+from tests.helpers import ROOT, child_env, launcher_cmd, processes_mentioning, read_json, wait_for, run_dirs
 
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -35,7 +35,7 @@ SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 def _phase(root: Path, before: set[Path]) -> str:
     """How far a launch had got when it was signalled, from what it had written (runs not in ``before``)."""
-    runs = sorted(p for p in (root.iterdir() if root.is_dir() else []) if p.is_dir() and p not in before)
+    runs = sorted(p for p in (run_dirs(root) if root.is_dir() else []) if p.is_dir() and p not in before)
     if not runs:
         return "starting"  # parsing, config, planning: nothing on disk yet
     run = runs[-1]
@@ -71,7 +71,7 @@ def test_process_up_signalled_at_random_moments_leaves_nothing(tmp_path: Path) -
         # Spread over the window; the first always inside the first 0.6 s (imports, before any handler).
         edges = [0.0, 0.6] + [0.6 + (window_s - 0.6) * k / (cycles - 1) for k in range(1, cycles)]
         delay = r.uniform(edges[i], edges[i + 1])
-        before = set(root.iterdir()) if root.is_dir() else set()
+        before = set(run_dirs(root)) if root.is_dir() else set()
         proc = launcher_proc("up", "--backend", "process", "--gpus", "none", "--workers", "2", "--groups", "2", "--max-steps",
                              "100000000", "--results", str(root), "--progress", "plain")
         drain = Drain(proc)
@@ -90,7 +90,7 @@ def test_process_up_signalled_at_random_moments_leaves_nothing(tmp_path: Path) -
             took = time.monotonic() - t0
         finally:
             stop_proc(proc)
-        new = sorted(set(root.iterdir() if root.is_dir() else []) - before)
+        new = sorted(set(run_dirs(root) if root.is_dir() else []) - before)
         _after(root, code, sig, new)
         if code == 130:
             assert took < 10, f"teardown took {took:.1f} s (README: within 10 s)"
@@ -123,7 +123,7 @@ def test_two_docker_launchers_signalled_at_random_moments(tmp_path: Path, launch
     rows: list[dict[str, Any]] = []
     try:
         for i in range(cycles):
-            before = set(root.iterdir())
+            before = set(run_dirs(root))
             procs = [launcher_proc("up", "--backend", "docker", "--image", launcher_image, "--gpus", "none",
                                    "--workers", "2", "--groups", "2", "--max-steps", "100000000", "--results", str(root),
                                    "--progress", "plain") for _ in range(2)]
@@ -133,7 +133,7 @@ def test_two_docker_launchers_signalled_at_random_moments(tmp_path: Path, launch
                 # Half the cycles: wait until both train and check they keep apart; the rest: a random moment.
                 if i % 2 == 0:
                     def both_train() -> bool:
-                        runs = [p for p in root.iterdir() if p not in before]
+                        runs = [p for p in run_dirs(root) if p not in before]
                         return len(runs) == 2 and all(status(p).get("env_steps") for p in runs) or \
                             any(p.poll() is not None for p in procs)
                     wait_for(both_train, 300, "both runs to train")
@@ -159,7 +159,7 @@ def test_two_docker_launchers_signalled_at_random_moments(tmp_path: Path, launch
             finally:
                 for p in procs:
                     stop_proc(p)
-            new = sorted(set(root.iterdir()) - before)
+            new = sorted(set(run_dirs(root)) - before)
             for code, sig in zip(codes, sigs):
                 assert code in (130, -sig), (codes, [d.stderr[-2000:] for d in drains])
             assert ours(engine, root) == ([], []), f"cycle {i} left {ours(engine, root)}"

@@ -19,7 +19,7 @@ from launcher.backends.base import Backend, BackendStatus
 from launcher.config import RunConfig
 from launcher.errors import ExitCode, LauncherError
 from tests.fault.helpers import unreadable_json
-from tests.helpers import read_json
+from tests.helpers import read_json, run_dirs
 
 
 
@@ -52,7 +52,7 @@ def test_a_backend_that_fails_to_start_leaves_a_final_record_and_the_handlers(
     with pytest.raises(LauncherError, match="the engine said no"):
         up_mod.up(cfg)
     assert backend.stopped == 1, "whatever had started must be stopped"
-    (run,) = [p for p in (tmp_path / "results").iterdir()]
+    (run,) = [p for p in run_dirs(tmp_path / "results")]
     rec = read_json(run / "run.json")
     assert rec["state"] == "failed", rec
     assert rec["exit_code"] == int(ExitCode.INTERNAL) and "the engine said no" in rec["message"], rec

@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from tests.testbed.bed import BedSpec, beds, bring_up, node_states, tear_down
 
@@ -54,11 +56,17 @@ def main(argv: list[str] | None = None) -> int:
             print(f"bed {bed.id}: {len(bed.nodes)} node(s), subnet {bed.subnet}.0/24, "
                   f"manager DOCKER_HOST={bed.manager.docker_host} {states}")
         return 0
-    chosen = [b for b in beds() if args.all or b.id == args.id]
+    return remove_beds(beds(), tear_down, args.id, every=args.all, prog="testbed")
+
+
+def remove_beds(recorded: Sequence[Any], tear_down: Callable[[Any], list[str]], bed_id: str | None, *, every: bool,
+         prog: str) -> int:
+    """``down ID`` or ``down --all`` over the ``recorded`` beds (the Slurm bed's command uses it too)."""
+    chosen = [b for b in recorded if every or b.id == bed_id]
     if not chosen:
-        print(f"testbed: error: no bed {args.id!r} (see `scripts/testbed.sh list`)" if args.id else
-              "testbed: nothing to remove", file=sys.stderr)
-        return 2 if args.id else 0
+        print(f"{prog}: error: no bed {bed_id!r} (see `scripts/{prog}.sh list`)" if bed_id else
+              f"{prog}: nothing to remove", file=sys.stderr)
+        return 2 if bed_id else 0
     failed = 0
     for bed in chosen:
         problems = tear_down(bed)

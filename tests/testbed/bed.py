@@ -10,7 +10,10 @@ Layout of a bed with id ``ab12cd`` (every name carries the id, so teardown touch
 
 The manager is a dedicated daemon (node 0), not the host's default daemon: other tests make the default
 daemon a one-node swarm of their own (tests/docker/test_swarm.py), and two swarms cannot share one engine.
-The host reaches every daemon by its unix socket (``Node.docker_host``); the launcher needs nothing else.
+The host reaches every daemon by its unix socket (``Node.docker_host``), which each swarm node also carries
+as its ``launcher.engine`` label, as an administrator labels a cluster's nodes: the launcher's teardown asks
+each node whether the run's task containers are gone (launcher/backends/swarm_gone.py). The launcher needs
+nothing else.
 
 ``bring_up`` records the bed in ``bed.json`` before it creates anything, and ``tear_down`` works from
 that record alone, step by step, carrying on past a failed step, so a bed is removed even after a
@@ -29,12 +32,15 @@ import sys
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
+from launcher.engine.swarm import ENGINE_LABEL
 from tests.testbed import daemon, netns, registry
 from tests.testbed.daemon import Node
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 BASE_DIR = Path(os.environ.get("LAUNCHER_TESTBED_DIR", "/var/lib/launcher-testbed"))
 PREFIX = "ltb"
@@ -137,14 +143,6 @@ def plan(spec: BedSpec, bed_id: str | None = None) -> Bed:
     return Bed(bed_id, root, "", tuple(nodes), registry.PORT if spec.registry else None, spec.swarm, time.time())
 
 
-def _pick_subnet() -> str:
-    used = netns.used_subnets()
-    for k in range(256):
-        if f"{SUBNET_BASE}.{k}.0/24" not in used:
-            return f"{SUBNET_BASE}.{k}"
-    raise RuntimeError(f"every {SUBNET_BASE}.K.0/24 is routed on this host already")
-
-
 def bring_up(spec: BedSpec, bed_id: str | None = None) -> Bed:
     """Create the bed: namespaces and bridge, registry and forwarder, daemons, the swarm. On any failure
     everything made so far is removed before the error propagates. ``bed_id``: six hex digits (default:
@@ -161,7 +159,7 @@ def bring_up(spec: BedSpec, bed_id: str | None = None) -> Bed:
         BASE_DIR.mkdir(parents=True, exist_ok=True)
         with open(BASE_DIR / ".lock", "w") as lock:  # two beds must not pick the same /24
             fcntl.flock(lock, fcntl.LOCK_EX)
-            bed = replace(bed, subnet=_pick_subnet())
+            bed = replace(bed, subnet=netns.free_subnet(SUBNET_BASE))
             bed = replace(bed, nodes=tuple(replace(n, address=f"{bed.subnet}.{10 + n.index}") for n in bed.nodes))
             bed.save()
             netns.add(bed.bridge_ns)
@@ -211,9 +209,12 @@ def _make_swarm(bed: Bed) -> None:
     while time.monotonic() < deadline:
         states = node_states(bed)
         if len(states) == len(bed.nodes) and all(s == "ready" for s in states.values()):
-            return
+            break
         time.sleep(0.2)
-    raise RuntimeError(f"swarm nodes not ready after {READY_TIMEOUT_S:.0f} s: {node_states(bed)}")
+    else:
+        raise RuntimeError(f"swarm nodes not ready after {READY_TIMEOUT_S:.0f} s: {node_states(bed)}")
+    for n in bed.nodes:  # where the launcher reaches each node's engine, as an admin labels a cluster's nodes
+        daemon.docker(m, "node", "update", "--label-add", f"{ENGINE_LABEL}={n.docker_host}", n.name)
 
 
 def node_states(bed: Bed) -> dict[str, str]:
@@ -244,17 +245,8 @@ def _kill_all_of(node: Node, wait_s: float) -> set[int]:
     """SIGKILL every process in ``node``'s namespace and cgroups until none is left or ``wait_s`` passes;
     returns what is still there."""
     inode = netns.inode(node.name)
-    deadline = time.monotonic() + wait_s
-    while True:
-        left = set(netns.pids_inside({inode} if inode else set())) | daemon.pids_in_cgroups(node)
-        if not left or time.monotonic() > deadline:
-            return left
-        for p in left:
-            try:
-                os.kill(p, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        time.sleep(0.2)
+    return daemon.kill_until_gone(
+        lambda: set(netns.pids_inside({inode} if inode else set())) | daemon.pids_in_cgroups(node), wait_s)
 
 
 def restore_node(bed: Bed, node: Node) -> None:
@@ -302,16 +294,9 @@ def tear_down(bed: Bed) -> list[str]:
     for pid in pids:
         if not daemon._wait_gone(pid, max(0.0, deadline - time.monotonic())):
             step(f"SIGKILL dockerd {pid}", os.kill, pid, signal.SIGKILL)
-    for _ in range(3):  # shims outlive their daemon; containers die with their cgroup's processes
-        left = set(netns.pids_inside(inodes)) | set().union(*(daemon.pids_in_cgroups(n) for n in bed.nodes))
-        if not left:
-            break
-        for pid in left:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        time.sleep(0.3)
+    # shims outlive their daemon; containers die with their cgroup's processes
+    daemon.kill_until_gone(
+        lambda: set(netns.pids_inside(inodes)) | set().union(*(daemon.pids_in_cgroups(n) for n in bed.nodes)), 0.9)
     step("stop forwarder", registry.stop_pidfile, bed.root / "forward.pid")
     step("stop registry", registry.stop_pidfile, bed.root / "registry" / "registry.pid")
     step("unmount", daemon.unmount_all, bed.root)
@@ -355,10 +340,16 @@ def remove_stale_libnetwork_sockets(since: float) -> None:
 
 def beds() -> list[Bed]:
     """Every bed recorded under ``BASE_DIR`` (a crashed test's included)."""
+    return recorded(BASE_DIR, Bed.from_json)
+
+
+def recorded(base: Path, parse: Callable[[str], T]) -> list[T]:
+    """Every ``<base>/*/bed.json`` that ``parse`` reads (the Slurm bed's records too); an unreadable one is
+    logged and skipped."""
     found = []
-    for f in sorted(BASE_DIR.glob("*/bed.json")) if BASE_DIR.is_dir() else []:
+    for f in sorted(base.glob("*/bed.json")) if base.is_dir() else []:
         try:
-            found.append(Bed.from_json(f.read_text()))
+            found.append(parse(f.read_text()))
         except (OSError, ValueError, KeyError, TypeError) as exc:
             log.warning("unreadable bed record %s: %s", f, exc)
     return found

@@ -17,6 +17,7 @@ import shutil
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -186,6 +187,21 @@ def gone(pid: int) -> bool:
     except OSError:
         return True
     return stat.rsplit(")", 1)[-1].split()[0] in ("Z", "X")
+
+
+def kill_until_gone(pids_of: Callable[[], set[int]], wait_s: float) -> set[int]:
+    """SIGKILL what ``pids_of()`` names until it names nothing or ``wait_s`` passes; returns what is still there."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        left = pids_of()
+        if not left or time.monotonic() > deadline:
+            return left
+        for p in left:
+            try:
+                os.kill(p, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.2)
 
 
 def _wait_gone(pid: int, timeout: float) -> bool:

@@ -115,6 +115,19 @@ def delete_host_link(name: str) -> None:
     ip("link", "del", name, check=False)
 
 
+def free_subnet(base: str) -> str:
+    """The first ``<base>.K`` (a /24, K 0..255) that no host route uses, e.g. ``10.213.4``.
+
+    Raises:
+        RuntimeError: every one is routed already.
+    """
+    used = used_subnets()
+    for k in range(256):
+        if f"{base}.{k}.0/24" not in used:
+            return f"{base}.{k}"
+    raise RuntimeError(f"every {base}.K.0/24 is routed on this host already")
+
+
 def used_subnets() -> set[str]:
     """IPv4 routes on the host (their destinations), to pick a /24 that collides with none."""
     out = ip("-4", "-o", "route", "show", "table", "all").stdout

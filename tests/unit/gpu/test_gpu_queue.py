@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -132,3 +133,25 @@ def test_wait_in_queue_takes_its_turn_and_gives_up_in_time(tmp_path: Path) -> No
     with pytest.raises(NoResources, match="waited 0.2 s for GPUs and none came free for run me"):
         queue.wait_in_queue(tmp_path, run_id="me", want="x", wait_s=0.2, attempt=never)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_wait_deadline_bounds_an_attempt_that_blocks(tmp_path: Path) -> None:
+    """``--wait`` bounds the whole wait: an attempt (placement) blocked in a system call is ended at the deadline,
+    the queue is left and the previous SIGALRM handler is back (issue 25, finding 2)."""
+    fifo = tmp_path / "never-written"
+    os.mkfifo(fifo)
+    q = tmp_path / "queue"
+    q.mkdir()
+
+    def blocks() -> str:
+        with open(fifo, "rb") as fh:  # no writer: open(2) itself never returns
+            return fh.read().decode()
+
+    before = signal.getsignal(signal.SIGALRM)
+    start = time.monotonic()
+    with pytest.raises(NoResources, match="waited 1 s for GPUs for run me, and placing the run had not finished"):
+        queue.wait_in_queue(q, run_id="me", want="x", wait_s=1, attempt=blocks)
+    took = time.monotonic() - start
+    assert 1 <= took < 3, took
+    assert list(q.iterdir()) == [] and signal.getsignal(signal.SIGALRM) == before
+    assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)

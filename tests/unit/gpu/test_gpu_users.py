@@ -28,6 +28,7 @@ import pytest
 from launcher import schemas
 from launcher.gpu import reservations, store
 from launcher.gpu.queue import read_queue
+from tests.host_guard import unix_user_name
 from tests.nvml_fixtures import build_stub, machine, stub_uuid
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -102,7 +103,7 @@ def box() -> Iterator[Machine]:
         report = store.admin_init(UUIDS, site_file=base / "etc" / "site.toml", store=base / "store",
                                   policy=base / "etc" / "policy.toml")
         for letter in "abc":
-            name = f"lt{os.getpid() % 100000}{letter}"
+            name = unix_user_name(letter)
             subprocess.run(["useradd", "--no-create-home", "--user-group", "--shell", "/usr/sbin/nologin", name],
                            check=True, capture_output=True)
             import pwd

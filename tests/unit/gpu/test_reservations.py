@@ -218,3 +218,11 @@ def test_a_lease_passed_to_the_master_child_outlives_a_killed_launcher(tmp_path:
         except NoResources:
             assert time.monotonic() < deadline, "the lease outlived the master"
             time.sleep(0.02)
+
+
+def test_a_fifo_planted_as_a_single_user_lock_file_is_refused_not_waited_on(tmp_path: Path) -> None:
+    """Single-user mode's lock directory is 1777: a FIFO under a GPU's lock name gets one clear message (exit 2),
+    not a blocked open or a traceback from writing the record into it (issue 25, finding 2)."""
+    os.mkfifo(tmp_path / "GPU-fifo.lock")
+    with pytest.raises(BadInput, match="GPU-fifo.lock is not a regular file"):
+        reserve(["GPU-fifo"], "r", tmp_path)

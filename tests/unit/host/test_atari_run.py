@@ -32,8 +32,10 @@ def test_a_short_pong_run_completes_and_writes_its_results(tmp_path: Path) -> No
     assert result["state"] == "finished" and result["summary"]["env_steps"] >= STEPS
     assert result["summary"]["updates"] >= 1
     run = root / result["run_id"]
-    for name in ("summary.json", "status.json", "metrics.jsonl", "model/policy.npz", "model/architecture.json",
+    for name in ("summary.json", "status.json", "metrics.jsonl", "model/policy.npz", "model/policy.json",
                  "model/final_model.keras", "logs/master.log", "logs/group-0.log"):
         assert (run / name).is_file() and (run / name).stat().st_size > 0, name
-    arch = json.loads((run / "model" / "architecture.json").read_text())
-    assert "nature" in json.dumps(arch), "84x84x4 uint8 frames get the Nature CNN"
+    doc = json.loads((run / "model" / "policy.json").read_text())
+    kernels = [n["weights"][0] for n in doc["program"]["nodes"] if n["op"] == "Conv2D"]
+    assert len(kernels) == 3, "84x84x4 uint8 frames get the Nature CNN: three convolutions"
+    assert doc["program"]["input_dtype"] == "uint8" and doc["acting"]["path"] == "numpy"

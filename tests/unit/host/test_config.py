@@ -87,7 +87,7 @@ def test_every_option_reads_from_file_env_and_flag_alike(tmp_path: Path) -> None
 
 ERRORS = [
     ("[up]\nwrokers = 4\n", "unknown key 'wrokers' in [up] (did you mean 'workers'?)"),
-    ("[up]\ncolour = 4\n", "unknown key 'colour' in [up]; known keys: env, algo, workers"),
+    ("[up]\ncolour = 4\n", "unknown key 'colour' in [up]; known keys: env, algo, model, acting, workers"),
     ("[plan]\nworkers = 4\n", "unknown table or key 'plan' (the file has two tables, [up] and [build])"),
     ("up = 3\n", "'up' must be a table ([up]), got integer"),
     ('[up]\nworkers = "eight"\n', '[up] workers = "eight": expected an integer, got string'),
@@ -99,7 +99,7 @@ ERRORS = [
     ("[up]\ntimeout = true\n", '[up] timeout = true: expected a duration such as 90, "90s" or "15m" or "none", got boolean'),
     ('[up]\ntimeout = "soon"\n', "[up] timeout = \"soon\": 'soon' is not a duration (examples: 90, 90s, 15m, 1h30m)"),
     ('[up]\nmin-free-memory = "lots"\n', '[up] min-free-memory = "lots": expected a memory size such as 8GiB'),
-    ('[up]\nalgo = "dqn"\n', '[up] algo = "dqn": expected one of ppo, a3c'),
+    ('[up]\nalgo = 5\n', '[up] algo = 5: expected a string, got integer'),
     ('[up]\nhparams = "lr=1"\n', '[up] hparams = "lr=1": expected a table ([up.hparams]), got string'),
     ("[up]\nworkers = \n", "not valid TOML: Invalid value (at line 2, column 11)"),
 ]
@@ -181,3 +181,16 @@ def test_bad_config_exits_2_and_starts_nothing(tmp_path: Path) -> None:
     assert not results.exists()
     missing = cli(tmp_path, "config", "show", "--config", "nope.toml")
     assert missing.returncode == 2 and "nope.toml: config file not found" in missing.stderr
+
+
+def test_validate_checks_algo_model_and_acting(tmp_path: Path) -> None:
+    problems = validate(RunConfig(algo="dqn", acting="gpu", model="not a reference"))
+    assert any(p.startswith("--algo 'dqn' is neither a built-in (ppo, a3c) nor MODULE:Name or FILE.py:Name")
+               for p in problems), problems
+    assert "--model 'not a reference' is not MODULE:function or FILE.py:function" in problems
+    assert "--acting must be one of auto, numpy, tensorflow, got 'gpu'" in problems
+    assert any("no such file" in p for p in validate(RunConfig(algo=str(tmp_path / "missing.py") + ":Algo")))
+    mine = tmp_path / "mine.py"
+    mine.write_text("")
+    assert not [p for p in validate(RunConfig(algo=f"{mine}:Algo", results=tmp_path)) if "--algo" in p]
+    assert not [p for p in validate(RunConfig(algo="ppo", results=tmp_path)) if "--algo" in p]

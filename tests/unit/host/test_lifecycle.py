@@ -17,9 +17,9 @@ import pytest
 from launcher import backends, lifecycle
 from launcher.backends.docker import DockerBackend
 from launcher.backends.docker_run import DockerRun
-from launcher.engine import labels as dc
 from launcher.engine.client import Container
-from launcher.procs import pid_is_ours
+from tests.engine_snapshots import SnapshotEngine, snap
+from launcher.procs import identity, pid_is_ours
 from launcher.cli.main import main
 from launcher.runs import RunDir, create_run_dir
 from worker.results import atomic_write_json
@@ -71,7 +71,8 @@ def test_status_of_a_live_process_run_then_down(tmp_path: Path, sleepers: list[s
     rid = "cartpole-ppo-live-0001"
     master = sleeper(sleepers, f"{rid}/spec.json master")
     group = sleeper(sleepers, f"{rid}/spec.json group", ignore_term=True)  # needs SIGKILL
-    rd = make_run(tmp_path, rid, backend="process", state="running", pids={"master": master, "group-0": group})
+    rd = make_run(tmp_path, rid, backend="process", state="running", pids={"master": master, "group-0": group},
+                  starts={"master": identity(master)["start"], "group-0": identity(group)["start"]})
     atomic_write_json(rd.files.status, {"env_steps": 1234, "env_steps_per_s": 456.0, "updates": 7, "mean_return": 21.5,
                                         "groups": {"0": {"workers": 4, "connected": True}}})
     assert main(["status", rid, "--results", str(tmp_path), "--json"]) == 0
@@ -161,36 +162,21 @@ def test_down_refuses_a_pid_that_is_not_the_runs(tmp_path: Path, sleepers: list[
     assert sleepers[0].poll() is None and os.path.exists(f"/proc/{other}")
 
 
-class _Engine:
-    """Only what a found Docker run asks of the engine: the run's containers and networks."""
-
-    def __init__(self, snaps: list[Container]) -> None:
-        self.snaps = snaps
-
-    def containers(self, labels: dict[str, str | None]) -> list[Container]:
-        return self.snaps
-
-    def networks(self, labels: dict[str, str | None]) -> list[tuple[str, str, dict[str, str]]]:
-        return []
-
-
-def _snap(role: str, status: str, code: int | None, group: str = "") -> Container:
-    return Container(os.urandom(32).hex(), f"c-{role}{group}", status, code, 0, {dc.ROLE_LABEL: role, dc.GROUP_LABEL: group})
-
-
-def _found(rd: RunDir, engine: _Engine) -> DockerRun:
+def _found(rd: RunDir, engine: SnapshotEngine) -> DockerRun:
     return DockerRun(rd.run_id, rd, rd.read_record(), engine=engine)  # type: ignore[arg-type]
 
 
 def test_a_detached_run_whose_master_died_is_failed_not_running(tmp_path: Path) -> None:
     rd = make_run(tmp_path, "cartpole-ppo-dock-0007", backend="docker", state="running", detached=True)
-    engine = _Engine([_snap("master", "exited", 137), _snap("group", "restarting", None, "0")])
+    engine = SnapshotEngine([snap("master", "exited", 137), snap("group", "restarting", None, "0")])
     view = lifecycle.view_run(_found(rd, engine))
     assert view.state == "failed" and "launcher up --resume cartpole-ppo-dock-0007" in view.note
     assert [p.name for p in view.parts] == ["master", "group-0"]
-    engine.snaps = [_snap("master", "exited", 0), _snap("group", "exited", 0, "0")]
-    assert lifecycle.view_run(_found(rd, engine)).state == "ended"
-    engine.snaps = [_snap("master", "running", None), _snap("group", "running", None, "0")]
+    engine.snaps = [snap("master", "exited", 0), snap("group", "exited", 0, "0")]
+    atomic_write_json(rd.files.summary, {"outcome": "max_steps"})
+    ended = lifecycle.view_run(_found(rd, engine))  # `launcher runs` says the same (test_run_states.py)
+    assert ended.state == "finished" and ended.outcome == "max_steps" and "launcher down" in ended.note
+    engine.snaps = [snap("master", "running", None), snap("group", "running", None, "0")]
     assert lifecycle.view_run(_found(rd, engine)).state == "running"
 
 
@@ -202,7 +188,7 @@ def test_down_of_a_docker_run_never_goes_through_the_swarm_teardown(tmp_path: Pa
     import launcher.backends.swarm_run as swarm_run
 
     rd = make_run(tmp_path, "cartpole-ppo-dock-0008", backend="docker", state="running", detached=True)
-    engine = _Engine([_snap("master", "running", None)])
+    engine = SnapshotEngine([snap("master", "running", None)])
     monkeypatch.setattr(DockerBackend, "find", classmethod(lambda cls, rid, run_dir, rec: _found(rd, engine)))
     monkeypatch.setattr(swarm_run, "teardown", lambda *a, **k: pytest.fail("swarm teardown for a docker run"))
     monkeypatch.setattr(swarm_run.SwarmRun, "parts", lambda self: pytest.fail("no need to ask the swarm"))

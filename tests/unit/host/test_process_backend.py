@@ -11,11 +11,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.helpers import (ROOT, child_env, launcher_cmd, only_run, processes_mentioning, read_json, run_launcher,
+from tests.helpers import (run_dirs, ROOT, child_env, launcher_cmd, only_run, processes_mentioning, read_json, run_launcher,
                            status_of, wait_for)
 
 RESULT_FILES = ("config.json", "plan.json", "spec.json", "run.json", "status.json", "summary.json", "metrics.jsonl",
-                "learning_curve.png", "model/final_model.keras", "model/policy.npz", "model/architecture.json",
+                "learning_curve.png", "model/final_model.keras", "model/policy.npz", "model/policy.json",
                 "logs/master.log", "logs/group-0.log")
 
 
@@ -109,7 +109,7 @@ def test_sigterm_tears_everything_down_within_10s(tmp_path: Path) -> None:
 
 def test_kill_9_of_the_launcher_leaves_no_orphans(tmp_path: Path) -> None:
     proc = _start(tmp_path, "--workers", "2", "--groups", "2", "--max-steps", "10000000")
-    run = wait_for(lambda: next((p for p in tmp_path.iterdir() if (p / "run.json").exists()
+    run = wait_for(lambda: next((p for p in run_dirs(tmp_path) if (p / "run.json").exists()
                                  and "pids" in read_json(p / "run.json")), None), 90, "the run to start")
     proc.kill()
     proc.wait()

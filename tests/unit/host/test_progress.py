@@ -47,7 +47,7 @@ def test_plain_output_of_a_real_run_parses_line_by_line(trained_cartpole: CliRun
     assert run["run_id"] == trained_cartpole.run_dir.name and run["format"] == "1" and run["plan"] == "cpu"
 
     progress = [(t, f) for t, k, f in records if k == "progress"]
-    assert len(progress) >= 5
+    assert len(progress) >= 3  # one a second: a quiet machine solves CartPole in ~6 s of training
     for _, f in progress:
         assert list(f) == PROGRESS_KEYS
         assert f["target_return"] == "475.00" and f["max_steps"] == "400000"

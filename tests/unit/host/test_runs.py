@@ -14,7 +14,7 @@ import jsonschema
 from launcher import schemas
 from launcher.history import describe, history
 from launcher.runs import RunDir
-from tests.helpers import ROOT, child_env, launcher_cmd, processes_mentioning, read_json, run_launcher, status_of, wait_for
+from tests.helpers import ROOT, child_env, launcher_cmd, processes_mentioning, read_json, run_launcher, status_of, wait_for, run_dirs
 from tests.run_fixtures import TARGET_RETURN, CliRun
 
 
@@ -60,7 +60,7 @@ def _row(run: Path) -> dict[str, Any]:
 def test_sigterm_then_kill_then_resume_keeps_counting(tmp_path: Path) -> None:
     """Stop with SIGTERM (interrupted), resume, kill -9 the launcher (stale), resume to the end."""
     proc = _start(tmp_path, "--workers", "4", "--groups", "2", "--max-steps", "10000000", "--checkpoint-every", "5")
-    run = wait_for(lambda: next((p for p in tmp_path.iterdir() if (p / "status.json").exists()), None), 120,
+    run = wait_for(lambda: next((p for p in run_dirs(tmp_path) if (p / "status.json").exists()), None), 120,
                    "the run to start")
     wait_for(lambda: status_of(run).get("updates", 0) >= 6, 120, "a few updates")
     assert _row(run)["status"] == "running"
@@ -109,7 +109,7 @@ def test_timeout_tears_down_and_exits_4(tmp_path: Path) -> None:
                        "--timeout", "8s", "--results", str(tmp_path), "--json", timeout=120)
     took = time.monotonic() - t0
     assert out.returncode == 4, out.stderr[-3000:]
-    (run,) = [p for p in tmp_path.iterdir() if p.is_dir()]
+    (run,) = [p for p in run_dirs(tmp_path) if p.is_dir()]
     result = json.loads(out.stdout)
     jsonschema.validate(result, schemas.load(schemas.RESULT_SCHEMA))
     assert (result["state"], result["exit_code"], result["message"]) == ("timed_out", 4, "--timeout 8 s elapsed")

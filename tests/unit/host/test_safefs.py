@@ -22,6 +22,7 @@ from launcher.engine.labels import RESULTS_LABEL, ROLE_LABEL, USER_LABEL
 from launcher.history import describe
 from launcher.lifecycle import log_files
 from launcher.runs import RunDir
+from launcher.runstate import Seen
 
 
 def bounded(fn: Callable[[], Any], timeout_s: float = 10.0) -> Any:
@@ -138,7 +139,7 @@ def test_status_summary_and_record_that_a_container_planted_are_refused(run_dir:
             path.write_text("[1, 2, 3]")
         elif plant == "deep":
             path.write_text("[" * 100_000 + "]" * 100_000)
-    row = bounded(lambda: describe(run_dir, alive=lambda rd, rec: None))
+    row = bounded(lambda: describe(run_dir, seen=lambda rd, rec: Seen(unreachable="no engine here")))
     assert row.last_return is None and row.steps is None  # nothing read through the link or the junk
     assert row.status == "finished"  # run.json itself was fine
     assert bounded(lambda: safefs.read_json_at(run_dir.path / "status.json")) is None
@@ -152,7 +153,7 @@ def test_run_json_replaced_by_a_fifo_reads_as_empty(run_dir: RunDir) -> None:
 
 def test_metrics_fifo_does_not_block_history(run_dir: RunDir) -> None:
     os.mkfifo(run_dir.files.metrics)
-    bounded(lambda: describe(run_dir, alive=lambda rd, rec: None))
+    bounded(lambda: describe(run_dir, seen=lambda rd, rec: Seen(unreachable="no engine here")))
 
 
 def test_refusals_say_which_file_and_why(run_dir: RunDir) -> None:
@@ -194,3 +195,20 @@ def test_eval_refuses_a_planted_policy_without_blocking(run_dir: RunDir, tmp_pat
     (model / "best_policy.npz").symlink_to(tmp_path / "elsewhere.npz")
     with pytest.raises(BadInput, match="symbolic link"):
         bounded(lambda: _npz(model / "best_policy.npz"))
+
+
+def test_a_capped_append_rotates_once_and_keeps_the_end(tmp_path: Path) -> None:
+    """Kept container logs (Docker's logs/master.log) are capped with one rotated copy (issue 25, item 6)."""
+    cap = 1000
+    for i in range(5):  # five sessions of a resumed run, 600 bytes each
+        safefs.append(tmp_path, "logs/master.log", f"{i}".encode() * 600, cap_bytes=cap)
+    log, kept = (tmp_path / "logs" / "master.log").read_bytes(), (tmp_path / "logs" / "master.log.1").read_bytes()
+    assert len(log) <= cap + 200 and log.endswith(b"4" * 600) and b"passed 1000 bytes" in log
+    assert kept.endswith(b"3" * 600) and len(kept) <= cap + 200
+    safefs.append(tmp_path, "logs/group-0.log", b"a" * 5000 + b"END", cap_bytes=cap)  # one part bigger than the cap
+    one = (tmp_path / "logs" / "group-0.log").read_bytes()
+    assert one.endswith(b"END") and len(one) <= cap + 200 and b"left out" in one
+    (tmp_path / "logs" / "group-1.log.1").symlink_to(tmp_path / "victim")  # a planted link as the rotated name
+    (tmp_path / "logs" / "group-1.log").write_bytes(b"b" * 900)
+    safefs.append(tmp_path, "logs/group-1.log", b"c" * 300, cap_bytes=cap)
+    assert not (tmp_path / "victim").exists() and (tmp_path / "logs" / "group-1.log").read_bytes().endswith(b"c" * 300)

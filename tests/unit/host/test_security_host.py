@@ -94,6 +94,18 @@ def test_root_down_leaves_another_users_process_group_alone(tmp_path: Path,
     assert rid not in ProcessBackend.live_run_ids(tmp_path, user=None) and alive(victim)
 
 
+def test_a_record_without_start_times_signals_nothing(tmp_path: Path, procs: list[subprocess.Popen[bytes]]) -> None:
+    """Issue 25 finding 5: with ``starts`` gone from the record, `down` signalled any process group of the
+    directory's owner whose command line held the run id (a ``tensorboard --logdir results/RUN`` was killed).
+    Now a pid without its start time is not signalled, nor shown alive, nor counted live by `down --all`."""
+    rid = "cartpole-ppo-nostarts-0008"
+    pid = sleeper(procs, f"tensorboard --logdir {tmp_path}/{rid}")
+    process_run(tmp_path, rid, pids={"master": pid}, launcher_pid=pid)
+    report = lifecycle.down_run(tmp_path, rid, grace_s=1)
+    assert report.pids == [] and not report.launcher_signalled and alive(pid)
+    assert rid not in ProcessBackend.live_run_ids(tmp_path, user=None)
+
+
 def test_down_leaves_a_recycled_pid_alone(tmp_path: Path, procs: list[subprocess.Popen[bytes]]) -> None:
     """Same uid, same marker, but not the process the record saw start (a recycled pid)."""
     rid = "cartpole-ppo-recycled-0003"
@@ -174,7 +186,7 @@ def test_resume_of_a_live_run_is_refused_and_touches_nothing(tmp_path: Path) -> 
     rd = process_run(tmp_path, rid, pids={"master": 424242, "group-0": 424243}, starts={"master": 1, "group-0": 2})
     cfg = {"schema": "launcher.config/v1", "env_id": "CartPole-v1", "algo": "ppo", "workers": 2, "gpus": "none",
            "backend": "process", "max_steps": 1000}
-    (rd.path / "config.json").write_text(json.dumps(cfg))
+    rd.config.write_text(json.dumps(cfg))  # the launcher's record of the run
     before = rd.record.read_bytes()
     listing = sorted(p.name for p in rd.path.iterdir())
     holder = _hold_live(rd.path)

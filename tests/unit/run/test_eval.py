@@ -13,12 +13,12 @@ import pytest
 from PIL import Image
 
 from launcher import schemas
-from launcher.errors import BadInput
+from launcher.errors import BadInput, MissingDependency
 from launcher.evaluate import evaluate, load_weights, make_render_env
 from launcher.runs import RunDir
 from tests.helpers import ROOT, child_env
 from tests.run_fixtures import TARGET_RETURN, CliRun
-from worker.models import Architecture, NumpyPolicy, expected_shapes
+from tests.policy_fixtures import export_builtin_policy
 
 
 def launcher(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
@@ -64,23 +64,24 @@ def test_eval_reports_a_return_close_to_the_end_of_training(trained: RunDir, tmp
 
 
 def test_latest_checkpoint_is_the_final_model(trained: RunDir) -> None:
-    """The TF checkpoint restored into a Keras model gives exactly the weights the master exported."""
+    """The policy saved with the newest checkpoint is exactly the one the master exported at the end."""
     final = load_weights(trained, "final")
     latest = load_weights(trained, "latest")
-    assert latest.checkpoint == "latest" and "/checkpoints/ckpt-" in latest.source
+    assert latest.checkpoint == "latest" and "/checkpoints/policy-" in latest.source
     assert set(final.weights) == set(latest.weights)
     for name in final.weights:
         np.testing.assert_array_equal(final.weights[name], latest.weights[name])
-    prefix = Path(latest.source).relative_to(trained.path)
-    by_path = load_weights(trained, str(prefix))
-    assert by_path.checkpoint == "path" and by_path.source == str(trained.path / prefix)
+    number = Path(latest.source).stem.split("-")[1]
+    assert (trained.path / "checkpoints" / f"ckpt-{number}.index").exists()  # saved beside that checkpoint
+    by_path = load_weights(trained, f"checkpoints/ckpt-{number}")
+    assert by_path.checkpoint == "path" and by_path.source == latest.source
 
     best = evaluate(trained, episodes=2, checkpoint="best")  # kept by the master as the mean improved
     assert best["checkpoint"] == "best" and best["weights_from"].endswith("model/best_policy.npz")
     best_meta = json.loads((trained.path / "model" / "best.json").read_text())
     assert best_meta["mean_return"] == json.loads((trained.path / "summary.json").read_text())["best_mean_return"]
 
-    with pytest.raises(BadInput, match=r"no TF checkpoint there .*") as err:
+    with pytest.raises(BadInput, match=r"no policy saved with that checkpoint .*") as err:
         load_weights(trained, "checkpoints/ckpt-999999")
     assert err.value.hint and "ckpt-" in err.value.hint
 
@@ -99,19 +100,14 @@ def test_missing_pygame_is_a_clear_error(trained: RunDir, tmp_path: Path) -> Non
 
 
 def test_snake_gif_from_its_own_frames(tmp_path: Path) -> None:
-    """Snake draws its grid itself (no pygame); the architecture comes from the spec when not exported."""
-    from worker.envs import SNAKE_ID, make_env
+    """Snake draws its grid itself (no pygame); its CNN acts in numpy from the exported program."""
+    from worker.envs import SNAKE_ID
 
     run = tmp_path / "snake-ppo-1"
     (run / "model").mkdir(parents=True)
     (run / "spec.json").write_text(json.dumps({"run_id": run.name, "env_id": SNAKE_ID, "algo": "ppo",
                                                "return_window": 100, "hparams": {}}))
-    env = make_env(SNAKE_ID, seed=0)
-    arch = Architecture.for_spaces(env.observation_space, env.action_space)
-    rng = np.random.default_rng(0)
-    weights = {k: rng.normal(0, 0.05, shape).astype(np.float32) for k, shape in expected_shapes(arch).items()}
-    np.savez(run / "model" / "policy.npz", **weights)  # type: ignore[arg-type]  # numpy's stub misreads **
-    NumpyPolicy(arch).set_weights(weights, 0)  # the weights fit the architecture eval will rebuild
+    export_builtin_policy(run, SNAKE_ID, scale=0.05)
     doc = evaluate(RunDir(run.name, run), episodes=3, gif=tmp_path / "snake.gif")
     assert doc["env_id"] == SNAKE_ID and len(doc["returns"]) == 3
     frame = make_render_env(SNAKE_ID, 0).render()
@@ -149,27 +145,36 @@ gymnasium.register(id="EvalEndless-v0", entry_point=Endless)
 '''
 
 
-def test_eval_reports_the_games_score_and_cuts_an_endless_episode(tmp_path: Path) -> None:
+def test_eval_reports_the_games_score_and_cuts_an_endless_episode(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """An env with no time limit must not hang eval; its info["score"] (Flappy Bird's pipes) is reported.
-    The env's module lives only in the run's --env-dir, as `up --env-dir` ran it."""
+    The env's module lives only in the user's --env-dir, given to eval as to `up`; the directory the run's
+    config.json names is never imported from (the run's containers can write that file)."""
     env_dir = tmp_path / "envs"
     env_dir.mkdir()
     (env_dir / "eval_endless_env.py").write_text(ENDLESS)
     run = tmp_path / "endless-ppo-1"
     (run / "model").mkdir(parents=True)
     env_id = "eval_endless_env:EvalEndless-v0"
-    (run / "spec.json").write_text(json.dumps({"run_id": run.name, "env_id": env_id, "algo": "ppo",
-                                               "return_window": 100, "hparams": {}}))
+    host = tmp_path / ".launcher" / run.name  # the launcher's record of the run: its env id
+    host.mkdir(parents=True)
+    (host / "spec.json").write_text(json.dumps({"run_id": run.name, "env_id": env_id, "algo": "ppo",
+                                                "return_window": 100, "hparams": {}}))
     (run / "config.json").write_text(json.dumps({"env_dir": str(env_dir)}))
-    from gymnasium import spaces
+    with monkeypatch.context() as m:  # for the export here; eval must be told where the module is
+        m.syspath_prepend(str(env_dir))
+        export_builtin_policy(run, env_id, scale=0.05)
+    import sys
 
-    arch = Architecture.for_spaces(spaces.Box(-1.0, 1.0, (3,), np.float32), spaces.Discrete(2))
-    rng = np.random.default_rng(0)
-    weights = {k: rng.normal(0, 0.05, shape).astype(np.float32) for k, shape in expected_shapes(arch).items()}
-    np.savez(run / "model" / "policy.npz", **weights)  # type: ignore[arg-type]  # numpy's stub misreads **
-    doc = evaluate(RunDir(run.name, run), episodes=2, max_episode_steps=57)
+    import gymnasium
+
+    sys.modules.pop("eval_endless_env", None)
+    del gymnasium.registry["EvalEndless-v0"]
+    with pytest.raises(MissingDependency, match="eval_endless_env") as err:  # config.json's env_dir: not trusted
+        evaluate(RunDir(run.name, run), episodes=1)
+    assert err.value.hint and "--env-dir" in err.value.hint
+    doc = evaluate(RunDir(run.name, run), episodes=2, max_episode_steps=57, env_dir=env_dir)
     assert doc["lengths"] == [57, 57] and doc["cut_at_max_steps"] == 2
     assert doc["scores"] == [5.0, 5.0] and doc["mean_score"] == 5.0
     jsonschema.validate(doc, schemas.load(schemas.EVAL_SCHEMA))
     with pytest.raises(BadInput, match="--max-episode-steps must be >= 1"):
-        evaluate(RunDir(run.name, run), episodes=1, max_episode_steps=0)
+        evaluate(RunDir(run.name, run), episodes=1, max_episode_steps=0, env_dir=env_dir)

@@ -14,24 +14,37 @@ from typing import Any
 import numpy as np
 import pytest
 
-from worker.algorithms import hparams
+from worker.algorithms import load_algorithm, resolve_hparams
+from worker.api import Field, Spaces
 from worker.envs import make_env
 from worker.inbox import ByteBoundedInbox
-from worker.models import Architecture, expected_shapes
 from worker.protocol import Message, MsgType
-from worker.validate import CLOSING_REASONS, check_message, max_steps_per_message
+from worker.validate import CLOSING_REASONS, check_payload
 
 N_STEPS, WORKERS = 8, 2
-CAP = max_steps_per_message(N_STEPS, WORKERS)  # 16
+CAP = N_STEPS * WORKERS  # 16: Algorithm.max_rows for a group of WORKERS envs
+
+
+def schema_of(algo: str) -> dict[str, Field]:
+    """The built-in's payload schema on CartPole (the model's weight shapes from the model it builds)."""
+    env = make_env("CartPole-v1", seed=0)
+    spaces = Spaces(env.observation_space, env.action_space)
+    env.close()
+    cls = load_algorithm(algo)
+    a = cls(spaces, resolve_hparams(cls, algo, "CartPole-v1", spaces, {"n_steps": N_STEPS}))
+    assert a.max_rows(WORKERS) == CAP
+    shapes = {"pi_h0/kernel": (4, 64), "pi_h0/bias": (64,)}  # enough for A3C's gradient fields
+    return dict(a.payload(shapes, tuple(shapes)))
 
 
 @pytest.fixture(scope="module")
-def arch() -> Architecture:
-    env = make_env("CartPole-v1", seed=0)
-    try:
-        return Architecture.for_spaces(env.observation_space, env.action_space, hparams.resolve("ppo", "CartPole-v1"))
-    finally:
-        env.close()
+def ppo() -> dict[str, Field]:
+    return schema_of("ppo")
+
+
+@pytest.fixture(scope="module")
+def a3c() -> dict[str, Field]:
+    return schema_of("a3c")
 
 
 def traj(rows: int, *, env_steps: int | None = None, episodes: int = 0) -> Message:
@@ -41,17 +54,16 @@ def traj(rows: int, *, env_steps: int | None = None, episodes: int = 0) -> Messa
     return Message(MsgType.TRAJ, {"version": 0, "env_steps": rows if env_steps is None else env_steps}, arrays)
 
 
-def grads(arch: Architecture, losses: Any, *, env_steps: int = CAP) -> Message:
-    arrays = {f"g/{k}": np.zeros(shape, np.float32) for k, shape in expected_shapes(arch).items()}
-    arrays.update(ep_returns=np.zeros(0), ep_lengths=np.zeros(0, np.int32))
-    fields: dict[str, Any] = {"version": 0, "env_steps": env_steps}
+def grads(losses: Any, *, env_steps: int = CAP) -> Message:
+    arrays = {"g/pi_h0/kernel": np.zeros((4, 64), np.float32), "g/pi_h0/bias": np.zeros(64, np.float32),
+              "ep_returns": np.zeros(0), "ep_lengths": np.zeros(0, np.int32)}
     if losses is not ...:
-        fields["losses"] = losses
-    return Message(MsgType.GRADS, fields, arrays)
+        arrays["losses"] = losses
+    return Message(MsgType.TRAJ, {"version": 0, "env_steps": env_steps}, arrays)
 
 
-def test_an_honest_segment_passes(arch: Architecture) -> None:
-    assert check_message(traj(CAP, episodes=3), algo="ppo", arch=arch, max_steps=CAP) is None
+def test_an_honest_segment_passes(ppo: dict[str, Field]) -> None:
+    assert check_payload(traj(CAP, episodes=3), schema=ppo, max_steps=CAP) is None
 
 
 @pytest.mark.parametrize("msg_args,reason", [
@@ -60,31 +72,42 @@ def test_an_honest_segment_passes(arch: Architecture) -> None:
     ({"rows": 4, "env_steps": 4, "episodes": 5}, "over_limit"),  # more episodes ended than steps taken
     ({"rows": 4, "env_steps": -1}, "malformed"),
 ])
-def test_segments_bigger_than_the_spec_allows_are_refused(arch: Architecture, msg_args: dict, reason: str) -> None:
-    got = check_message(traj(**msg_args), algo="ppo", arch=arch, max_steps=CAP)
-    assert got == reason
-    assert got in CLOSING_REASONS  # a group that does this is broken or hostile: its link is closed
+def test_segments_bigger_than_the_spec_allows_are_refused(ppo: dict[str, Field], msg_args: dict, reason: str) -> None:
+    got = check_payload(traj(**msg_args), schema=ppo, max_steps=CAP)
+    assert got is not None and got.reason == reason
+    assert got.reason in CLOSING_REASONS and got.closes  # a group that does this is broken or hostile: closed
 
 
 def test_the_cap_follows_the_groups_workers() -> None:
-    assert max_steps_per_message(64, 1) == 64
-    assert max_steps_per_message(64, 16) == 1024
+    env = make_env("CartPole-v1", seed=0)
+    spaces = Spaces(env.observation_space, env.action_space)
+    cls = load_algorithm("ppo")
+    a = cls(spaces, resolve_hparams(cls, "ppo", "CartPole-v1", spaces, {}))
+    assert a.max_rows(1) == 64
+    assert a.max_rows(16) == 1024
 
 
-def test_a3c_gradients_with_numeric_losses_pass(arch: Architecture) -> None:
-    assert check_message(grads(arch, {"pi": 0.1, "v": 2, "entropy": 0.5}), algo="a3c", arch=arch, max_steps=CAP) is None
-    assert check_message(grads(arch, ...), algo="a3c", arch=arch, max_steps=CAP) is None  # no losses reported
+def test_a3c_gradients_with_their_losses_pass(a3c: dict[str, Field]) -> None:
+    assert check_payload(grads(np.array([0.1, 2.0, 0.5], np.float32)), schema=a3c, max_steps=CAP) is None
 
 
-@pytest.mark.parametrize("losses", [[1.0, 2.0], "x", {"pi": "nan"}, {"pi": float("inf")}, {"pi": 10**400},
-                                    {"pi": True}, {f"k{i}": 1.0 for i in range(100)}, {"k" * 100: 1.0}, {"pi": [1]}])
-def test_a3c_losses_that_are_not_a_small_object_of_numbers_are_malformed(arch: Architecture, losses: Any) -> None:
-    # A list used to pass validation and then end the run with exit 1 in the learner's bookkeeping.
-    assert check_message(grads(arch, losses), algo="a3c", arch=arch, max_steps=CAP) == "malformed"
+@pytest.mark.parametrize("losses,detail", [
+    (..., "'losses' is missing"),
+    (np.array([1.0, 2.0], np.float32), "'losses' has shape (2,), the schema says (3,)"),
+    (np.array([1.0, np.nan, 0.0], np.float32), "'losses' holds NaN or infinity"),
+    (np.array([1.0, np.inf, 0.0], np.float32), "'losses' holds NaN or infinity"),
+    (np.array([1, 2, 3]), "'losses' has dtype int64, the schema says float32"),
+])
+def test_a3c_losses_off_their_schema_are_refused_naming_the_field(a3c: dict[str, Field], losses: Any,
+                                                                   detail: str) -> None:
+    got = check_payload(grads(losses), schema=a3c, max_steps=CAP)
+    assert got is not None and got.reason == "schema:losses" and detail in got.detail
+    assert not got.closes  # a buggy actor keeps its connection; the payload is dropped and counted
 
 
-def test_a3c_env_steps_are_capped_too(arch: Architecture) -> None:
-    assert check_message(grads(arch, {}, env_steps=CAP + 1), algo="a3c", arch=arch, max_steps=CAP) == "over_limit"
+def test_a3c_env_steps_are_capped_too(a3c: dict[str, Field]) -> None:
+    got = check_payload(grads(np.zeros(3, np.float32), env_steps=CAP + 1), schema=a3c, max_steps=CAP)
+    assert got is not None and got.reason == "over_limit"
 
 
 # ------------------------------------------------------------------------------------------------ inbox

@@ -10,15 +10,24 @@ from typing import Any
 import numpy as np
 import pytest
 
+import gymnasium as gym
+
+from tests.policy_fixtures import builtin, learner_of, numpy_context, policy_of, setup_fields
 from worker.algorithms import hparams
+from worker.algorithms.actor_critic import env_kind
 from worker.algorithms.rollout import Collector
+from worker.api import Payload, Reject, Spaces
 from worker.envs import make_env, make_vector_env
-from worker.models import Architecture, NumpyPolicy, build_keras_model, env_kind, get_named_weights, with_normalization
+from worker.keras_convert import get_weights, to_program
+from worker.models import with_normalization
 from worker.normalize import (CLIP_OBS, EPS, OBS_MEAN, OBS_VAR, RET_SHAPE, RET_VAR, Moments, NormStats, ReturnTracker,
-                              RunningNorm, check_stats, moments_fields, normalization)
+                              check_stats, moments_arrays, normalization)
+from worker.numpy_model import NumpyModel
 from worker.protocol import Message, MsgType, encode
 from worker.protocol.frames import decode_payload, HEADER_SIZE
-from worker.validate import CLOSING_REASONS, check_message, check_norm
+from worker.validate import check_payload
+
+PEND = Spaces(gym.spaces.Box(-8.0, 8.0, (3,), np.float32), gym.spaces.Box(-2.0, 2.0, (1,), np.float32))
 
 STEPS = 32
 
@@ -70,9 +79,8 @@ def test_the_return_tracker_discounts_and_resets_per_env() -> None:
 
 def test_collector_sends_normalised_observations_and_the_raw_moments() -> None:
     envs = make_vector_env("Pendulum-v1", 3)
-    arch = Architecture.for_spaces(envs.single_observation_space, envs.single_action_space)
-    pol = NumpyPolicy(arch)
-    pol.set_weights(get_named_weights(build_keras_model(arch, seed=0)), 0)
+    algorithm, model = builtin(envs, env_id="Pendulum-v1")
+    pol = policy_of(numpy_context(algorithm, model), "float32")
     col = Collector(envs, pol, gamma=0.9, lam=0.95, seed=0, normalize_obs=True, normalize_reward=True)
     col.norm = NormStats(np.array([0.0, 0.0, 1.0]), np.array([4.0, 4.0, 9.0]), ret_var=25.0)
     seg = col.collect(STEPS)
@@ -88,8 +96,8 @@ def test_collector_sends_normalised_observations_and_the_raw_moments() -> None:
 
 def test_kind_defaults_turn_normalisation_on_for_continuous_control_only() -> None:
     pend, cart = make_env("Pendulum-v1", seed=0), make_env("CartPole-v1", seed=0)
-    assert env_kind(pend.observation_space, pend.action_space) == "continuous"
-    assert env_kind(cart.observation_space, cart.action_space) == "discrete"
+    assert env_kind(Spaces(pend.observation_space, pend.action_space)) == "continuous"
+    assert env_kind(Spaces(cart.observation_space, cart.action_space)) == "discrete"
     hp = hparams.resolve("ppo", "Pendulum-v1", kind="continuous")
     assert hp["normalize_obs"] and hp["normalize_reward"] and hp["gamma"] == 0.9 and hp["epochs"] == 10
     assert not hparams.resolve("ppo", "CartPole-v1", kind="discrete")["normalize_obs"]
@@ -101,17 +109,20 @@ def test_kind_defaults_turn_normalisation_on_for_continuous_control_only() -> No
     with pytest.raises(ValueError, match="normalize_obs must be true or false"):
         hparams.resolve("ppo", "Pendulum-v1", {"normalize_obs": "yes"})
     # Image observations are never normalised, whatever the hyper-parameter says.
-    image = Architecture(kind="nature", obs_shape=(84, 84, 4), continuous=False, n_outputs=6)
-    assert normalization(image, {"normalize_obs": True, "normalize_reward": True}) == (False, True)
+    assert normalization((84, 84, 4), {"normalize_obs": True, "normalize_reward": True}) == (False, True)
 
 
 # ------------------------------------------------------------------------------------------ what a peer sends
-PEND = Architecture(kind="mlp", obs_shape=(3,), continuous=True, n_outputs=1, action_low=(-2.0,), action_high=(2.0,))
+@pytest.fixture(scope="module")
+def pend_learner() -> Any:
+    """The built-in PPO's learner on Pendulum (normalising observations and returns), and its payload schema."""
+    algorithm, model = builtin(PEND, env_id="Pendulum-v1")
+    return learner_of(algorithm, model), dict(algorithm.payload({}, ()))
 
 
 def segment(**change: Any) -> Message:
-    """An honest Pendulum TRAJ with normalisation moments, through the real encoder and decoder, with
-    ``change`` applied to its fields (``obs_count``...) or arrays (``obs_mean``...) first (None removes)."""
+    """An honest Pendulum payload with normalisation moments, through the real encoder and decoder, with
+    ``change`` applied to its arrays (``obs_count``, ``obs_mean``...) first (None removes)."""
     rng = np.random.default_rng(1)
     fields: dict[str, Any] = {"version": 0, "env_steps": STEPS}
     arrays: dict[str, np.ndarray] = {
@@ -119,49 +130,56 @@ def segment(**change: Any) -> Message:
         "logp": np.full(STEPS, -1.0, np.float32), "advantages": np.zeros(STEPS, np.float32),
         "returns": np.zeros(STEPS, np.float32), "ep_returns": np.zeros(0), "ep_lengths": np.zeros(0, np.int32)}
     for prefix, m in (("obs", Moments.of(rng.standard_normal((STEPS, 3)))), ("ret", Moments.of(-rng.random((STEPS, 1))))):
-        f, a = moments_fields(prefix, m)
-        fields.update(f)
-        arrays.update(a)
+        arrays.update(moments_arrays(prefix, m))
     for key, value in change.items():
-        target = fields if key.endswith("_count") else arrays
         if value is None:
-            target.pop(key)
+            arrays.pop(key)
         else:
-            target[key] = value
+            arrays[key] = value
     data = encode(MsgType.TRAJ, fields, arrays)
     return decode_payload(MsgType.TRAJ, memoryview(data)[HEADER_SIZE:])
 
 
-def test_an_honest_segment_with_moments_passes() -> None:
-    assert check_message(segment(), algo="ppo", arch=PEND, max_steps=STEPS, normalize=(True, True)) is None
+def judged(msg: Message, pend_learner: Any) -> tuple[str, str] | None:
+    """(reason, detail) of the master's refusal (the schema, then the learner's own check), or None."""
+    learner, schema = pend_learner
+    refusal = check_payload(msg, schema=schema, max_steps=STEPS)
+    if refusal is not None:
+        return refusal.reason, refusal.detail
+    payload = Payload({k: v for k, v in msg.arrays.items() if not k.startswith("ep_")}, env_steps=STEPS)
+    try:
+        learner.check(payload)
+    except Reject as exc:
+        return exc.reason, exc.detail
+    return None
 
 
-@pytest.mark.parametrize("change,why", [
-    ({"obs_count": None}, "obs_count is not an integer"),
-    ({"obs_count": 1.5}, "obs_count is not an integer"),
-    ({"obs_count": STEPS + 1}, "outside"),  # more data claimed than the segment's env steps
-    ({"ret_count": -1}, "outside"),
-    ({"obs_mean": None}, "obs_mean is missing"),
-    ({"obs_mean": np.zeros(4)}, "shape"),
-    ({"ret_m2": np.zeros(2)}, "shape"),
-    ({"obs_m2": np.zeros(3, np.float32)}, "dtype"),
-    ({"obs_m2": np.array([1.0, -1.0, 0.0])}, "negative"),
+def test_an_honest_segment_with_moments_passes(pend_learner: Any) -> None:
+    assert judged(segment(), pend_learner) is None
+
+
+@pytest.mark.parametrize("change,reason,why", [
+    ({"obs_count": None}, "schema:obs_count", "is missing"),
+    ({"obs_count": np.array([1.5])}, "bad_norm", "not a whole number"),
+    ({"obs_count": np.array([STEPS + 1.0])}, "bad_norm", "not a whole number in [0, 32]"),  # more than its steps
+    ({"ret_count": np.array([-1.0])}, "schema:ret_count", "below its bound"),
+    ({"obs_mean": None}, "schema:obs_mean", "is missing"),
+    ({"obs_mean": np.zeros(4)}, "schema:obs_mean", "shape"),
+    ({"ret_m2": np.zeros(2)}, "schema:ret_m2", "shape"),
+    ({"obs_m2": np.zeros(3, np.float32)}, "schema:obs_m2", "dtype"),
+    ({"obs_m2": np.array([1.0, -1.0, 0.0])}, "schema:obs_m2", "below its bound"),
+    ({"obs_mean": np.array([np.nan, 0.0, 0.0])}, "schema:obs_mean", "NaN"),
 ])
-def test_bad_normalisation_fields_are_refused_with_a_reason(change: dict[str, Any], why: str) -> None:
-    msg = segment(**change)
-    assert check_message(msg, algo="ppo", arch=PEND, max_steps=STEPS, normalize=(True, True)) == "bad_norm"
-    assert "bad_norm" in CLOSING_REASONS  # an honest group never sends these: its link is closed
-    detail = check_norm(msg, PEND, (True, True))
-    assert detail is not None and why in detail, detail
+def test_bad_normalisation_fields_are_refused_with_a_reason(change: dict[str, Any], reason: str, why: str,
+                                                             pend_learner: Any) -> None:
+    got = judged(segment(**change), pend_learner)
+    assert got is not None and got[0] == reason and why in got[1], got
 
 
-def test_moments_where_the_run_does_not_normalise_and_nan_moments() -> None:
-    msg = segment()
-    assert check_message(msg, algo="ppo", arch=PEND, max_steps=STEPS, normalize=(False, True)) == "bad_norm"
-    assert "does not normalise" in str(check_norm(msg, PEND, (False, True)))
-    # A NaN is the usual non_finite: the message is dropped, the group goes on.
-    nan = segment(obs_mean=np.array([np.nan, 0.0, 0.0]))
-    assert check_message(nan, algo="ppo", arch=PEND, max_steps=STEPS, normalize=(True, True)) == "non_finite"
+def test_moments_where_the_run_does_not_normalise_are_refused() -> None:
+    algorithm, _ = builtin(PEND, env_id="Pendulum-v1", hparams={"normalize_obs": False})
+    got = check_payload(segment(), schema=dict(algorithm.payload({}, ())), max_steps=STEPS)
+    assert got is not None and got.reason == "schema:obs_count" and "not in the algorithm's schema" in got.detail
 
 
 @pytest.mark.parametrize("arrays,why", [
@@ -180,23 +198,24 @@ def test_a_group_refuses_bad_statistics_from_the_master(arrays: dict[str, np.nda
 
 # ------------------------------------------------------------------------------------------- kept and exported
 def test_checkpoints_keep_the_running_statistics(tmp_path: Path) -> None:
-    import tensorflow as tf
-
     from worker.checkpoint import Checkpointer, Counters
 
     rng = np.random.default_rng(2)
-    norm = RunningNorm((3,), returns=True)
+    algorithm, model = builtin(PEND, env_id="Pendulum-v1")
+    learner = learner_of(algorithm, model)
+    norm = learner.norm
     for _ in range(3):
-        norm.obs = norm.obs.merge(Moments.of(rng.normal(2.0, 3.0, (50, 3))))  # type: ignore[union-attr]
-        norm.ret = norm.ret.merge(Moments.of(rng.normal(-5.0, 1.0, (50, 1))))  # type: ignore[union-attr]
-    model = build_keras_model(PEND, seed=0)
-    ckpt = Checkpointer(tmp_path, model, tf.keras.optimizers.Adam(), window=10, norm=norm)
+        learner.observe(Payload({**moments_arrays("obs", Moments.of(rng.normal(2.0, 3.0, (50, 3)))),
+                                 **moments_arrays("ret", Moments.of(rng.normal(-5.0, 1.0, (50, 1))))}))
+    ckpt = Checkpointer(tmp_path, learner.checkpoint(), window=10)
+    learner.checkpoint()
     ckpt.save(Counters(env_steps=150, updates=3, version=3), [1.0])
 
-    fresh = RunningNorm((3,), returns=True)
-    again = Checkpointer(tmp_path, build_keras_model(PEND, seed=1), tf.keras.optimizers.Adam(), window=10, norm=fresh)
-    restored = again.restore_latest()
+    again = learner_of(*builtin(PEND, env_id="Pendulum-v1", seed=1))
+    restored = Checkpointer(tmp_path, again.checkpoint(), window=10).restore_latest()
     assert restored is not None and restored[0].env_steps == 150
+    again.restored()
+    fresh = again.norm
     assert fresh.obs is not None and fresh.ret is not None and norm.obs is not None and norm.ret is not None
     assert fresh.obs.count == norm.obs.count == 150
     np.testing.assert_array_equal(fresh.obs.mean, norm.obs.mean)
@@ -204,52 +223,61 @@ def test_checkpoints_keep_the_running_statistics(tmp_path: Path) -> None:
     np.testing.assert_array_equal(fresh.ret.m2, norm.ret.m2)
     for a, b in zip(fresh.stats().arrays().values(), norm.stats().arrays().values()):
         np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(again.extras()["log_std"], learner.extras()["log_std"])
 
-    # A checkpoint written without normalisation (an older run) restores with empty statistics.
+    # A checkpoint written without normalisation restores with empty statistics.
     old = tmp_path / "old"
-    Checkpointer(old, build_keras_model(PEND, seed=0), tf.keras.optimizers.Adam(), window=10).save(Counters(), [])
-    empty = RunningNorm((3,), returns=True)
-    Checkpointer(old, build_keras_model(PEND, seed=0), tf.keras.optimizers.Adam(), window=10, norm=empty).restore_latest()
-    assert empty.obs is not None and empty.obs.count == 0 and (empty.stats().obs_var == 1).all()
+    plain = learner_of(*builtin(PEND, env_id="Pendulum-v1", hparams={"normalize_obs": False,
+                                                                     "normalize_reward": False}))
+    Checkpointer(old, plain.checkpoint(), window=10).save(Counters(), [])
+    empty = learner_of(*builtin(PEND, env_id="Pendulum-v1"))
+    Checkpointer(old, empty.checkpoint(), window=10).restore_latest()
+    empty.restored()
+    assert empty.norm.obs is not None and empty.norm.obs.count == 0 and (empty.norm.stats().obs_var == 1).all()
 
 
 def test_the_exported_keras_model_normalises_raw_observations_like_the_actors() -> None:
-    model = build_keras_model(PEND, seed=3)
-    pol = NumpyPolicy(PEND)
-    pol.set_weights(get_named_weights(model), 0)
+    _, model = builtin(PEND, env_id="Pendulum-v1", seed=3)
+    pol = NumpyModel(to_program(model))
+    pol.set_weights(get_weights(model), 0)
     stats = NormStats(np.array([0.5, -0.2, 1.0]), np.array([0.3, 0.6, 9.0]), 4.0)
     exported = with_normalization(model, stats.obs_mean, stats.obs_var)
     raw = np.random.default_rng(4).normal(0.0, 5.0, (64, 3)).astype(np.float32)  # some clip at +-10
     assert (np.abs(stats.obs(raw)) == CLIP_OBS).any()
     mean_keras, value_keras = exported(raw)
-    mean_np, value_np = pol.forward(stats.obs(raw))
+    mean_np, value_np = pol(stats.obs(raw))
     np.testing.assert_allclose(mean_keras.numpy(), mean_np, rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(value_keras.numpy(), value_np, rtol=1e-4, atol=1e-5)
     assert with_normalization(model, None, None) is model
 
 
 def test_a_group_swaps_in_statistics_with_the_weights_and_refuses_bad_ones(tmp_path: Path) -> None:
-    """The group half of the exchange, on a real WorkerGroup (its envs built, no master needed)."""
+    """The group half of the exchange, on a real WorkerGroup (its envs built, no master needed): the built-in
+    actor takes the statistics with the weights, and refuses bad ones before anything of the frame is taken."""
     from worker.contract import GroupAssignment, RunSpec
     from worker.group import WorkerGroup
-    from worker.models import expected_shapes
     from worker.protocol import ProtocolError
 
     spec = RunSpec(run_id="g", env_id="Pendulum-v1", algo="ppo", seed=0, results_dir=str(tmp_path),
                    groups=(GroupAssignment(0, 2),))
     group = WorkerGroup(spec, 0, b"secret", ("127.0.0.1", 9))
-    assert (group.norm_obs, group.norm_ret) == (True, True)
-    weights = {k: np.zeros(s, np.float32) for k, s in expected_shapes(group.arch).items()}
+    _, model = builtin(group.spaces, env_id="Pendulum-v1")
+    group._set_up(Message(MsgType.SETUP, setup_fields(model, group.spaces.observation), {}))
+    group._make_actor()
+    assert group.actor.normalize == (True, True)
+    weights = {k: np.zeros(v.shape, np.float32) for k, v in get_weights(model).items()}
     good = NormStats(np.array([0.1, 0.2, 0.3]), np.array([1.0, 2.0, 3.0]), 5.0)
-    group._take_weights(Message(MsgType.WEIGHTS, {"version": 4}, {**weights, **good.arrays()}))
-    assert group.policy.version == 4 and group.collector.norm.ret_var == 5.0
-    np.testing.assert_array_equal(group.collector.norm.obs_var, [1.0, 2.0, 3.0])
-    bad = {**good.arrays(), OBS_VAR: np.array([1.0, -2.0, 3.0])}
+    extras = {f"x/{k}": v for k, v in good.arrays().items()} | {"x/log_std": np.full(1, -0.5, np.float32)}
+    group._take_weights(Message(MsgType.WEIGHTS, {"version": 4}, {**weights, **extras}))
+    assert group.runtime is not None and group.runtime.version == 4 and group.actor.collector.norm.ret_var == 5.0
+    np.testing.assert_array_equal(group.actor.collector.norm.obs_var, [1.0, 2.0, 3.0])
+    bad = {**extras, f"x/{OBS_VAR}": np.array([1.0, -2.0, 3.0])}
     with pytest.raises(ProtocolError) as err:
         group._take_weights(Message(MsgType.WEIGHTS, {"version": 5}, {**weights, **bad}))
     assert err.value.reason == "bad_norm" and "negative variance" in err.value.detail
-    assert group.policy.version == 4  # nothing of the refused frame was taken
+    assert group.runtime.version == 4  # nothing of the refused frame was taken
+    np.testing.assert_array_equal(group.actor.collector.norm.obs_var, [1.0, 2.0, 3.0])
+    missing = {k: v for k, v in extras.items() if k != f"x/{RET_VAR}"}
     with pytest.raises(ProtocolError, match="norm/ret_var is missing"):
-        group._take_weights(Message(MsgType.WEIGHTS, {"version": 5}, {**weights, OBS_MEAN: good.arrays()[OBS_MEAN],
-                                                                       OBS_VAR: good.arrays()[OBS_VAR]}))
-    group.collector.close()
+        group._take_weights(Message(MsgType.WEIGHTS, {"version": 5}, {**weights, **missing}))
+    group.envs.close()

@@ -20,7 +20,7 @@ from launcher.evaluate import evaluate, load_weights
 from launcher.runs import RunDir
 from tests.helpers import ROOT, SECRET, child_env, only_run, read_json, run_launcher, status_of, wait_for
 from worker.contract import GroupAssignment, RunSpec
-from worker.models import Architecture, NumpyPolicy
+from worker.numpy_model import NumpyModel, Program
 
 STEPS = 4000
 
@@ -55,28 +55,30 @@ def test_a_short_pendulum_run_normalises_end_to_end(pendulum: Path) -> None:
     counters = dict(zip(("env_steps", "updates", "episodes", "version"), ck["counters"].tolist()))
     assert ck["norm_obs_count"] == counters["env_steps"] == summary["env_steps"]
     assert ck["norm_ret_count"] == summary["env_steps"]
-    saved = np.load(pendulum / "model" / "policy.npz")
-    np.testing.assert_array_equal(saved["norm/obs_mean"], ck["norm_obs_mean"])
-    np.testing.assert_array_equal(saved["norm/obs_var"], ck["norm_obs_m2"] / ck["norm_obs_count"])
-    np.testing.assert_array_equal(saved["norm/ret_var"], ck["norm_ret_m2"] / ck["norm_ret_count"])
+    saved = np.load(pendulum / "model" / "policy.npz")  # the learner's extras beside the weights, under x/
+    np.testing.assert_array_equal(saved["x/norm/obs_mean"], ck["norm_obs_mean"])
+    np.testing.assert_array_equal(saved["x/norm/obs_var"], ck["norm_obs_m2"] / ck["norm_obs_count"])
+    np.testing.assert_array_equal(saved["x/norm/ret_var"], ck["norm_ret_m2"] / ck["norm_ret_count"])
+    np.testing.assert_array_equal(saved["x/log_std"], ck["log_std"])
     # Pendulum's observation is (cos, sin, angular velocity): the statistics are those of real play.
-    assert np.all(np.abs(saved["norm/obs_mean"][:2]) <= 1) and 0 < saved["norm/obs_var"][2] < 64
-    doc = read_json(pendulum / "model" / "architecture.json")
-    assert doc["normalization"]["obs"] is True and doc["normalization"]["clip_obs"] == 10.0
+    assert np.all(np.abs(saved["x/norm/obs_mean"][:2]) <= 1) and 0 < saved["x/norm/obs_var"][2] < 64
+    doc = read_json(pendulum / "model" / "policy.json")
+    assert doc["acting"]["path"] == "numpy" and doc["action"] == {"discrete": False, "n": 1, "low": [-2.0],
+                                                                  "high": [2.0]}
 
 
-def greedy_by_hand(saved: dict[str, np.ndarray], arch: Architecture, seed: int) -> tuple[float, list[np.ndarray]]:
+def greedy_by_hand(saved: dict[str, np.ndarray], program: Program, seed: int) -> tuple[float, list[np.ndarray]]:
     """One greedy episode with the exported weights, the normalisation written out here from its formula."""
-    pol = NumpyPolicy(arch)
-    pol.set_weights({k: v for k, v in saved.items() if not k.startswith("norm/")}, 0)
-    mean, var = saved["norm/obs_mean"], saved["norm/obs_var"]
+    pol = NumpyModel(program)
+    pol.set_weights({k: v for k, v in saved.items() if not k.startswith("x/")}, 0)
+    mean, var = saved["x/norm/obs_mean"], saved["x/norm/obs_var"]
     env = gymnasium.make("Pendulum-v1")
     obs, _ = env.reset(seed=seed)
     total, done, raw_obs = 0.0, False, []
     while not done:
         raw_obs.append(np.asarray(obs, np.float32))
         z = np.clip((obs.astype(np.float64) - mean) / np.sqrt(var + 1e-8), -10.0, 10.0).astype(np.float32)
-        action_mean, _ = pol.forward(z[None])
+        action_mean, _ = pol(z[None])
         # Clipped to Pendulum's bounds [-2, 2], as float64 (what clipping to the bounds as floats gives).
         obs, reward, terminated, truncated, _ = env.step(np.clip(action_mean[0].astype(np.float64), -2.0, 2.0))
         total += float(reward)
@@ -91,7 +93,8 @@ def test_eval_acts_as_the_policy_with_its_normalisation(pendulum: Path) -> None:
     final = load_weights(run, "final")
     saved = {k: np.asarray(v) for k, v in np.load(pendulum / "model" / "policy.npz").items()}
     for i in range(2):
-        ret, raw_obs = greedy_by_hand(saved, final.arch, 77 + i)
+        assert final.doc.program is not None
+        ret, raw_obs = greedy_by_hand(saved, final.doc.program, 77 + i)
         assert doc["returns"][i] == pytest.approx(ret, rel=1e-9, abs=1e-9)
     # The checkpoint path (--checkpoint latest) restores the same statistics as the export.
     latest = load_weights(run, "latest")
@@ -107,7 +110,9 @@ def test_eval_acts_as_the_policy_with_its_normalisation(pendulum: Path) -> None:
     model = keras.models.load_model(pendulum / "model" / "final_model.keras")
     raw = np.stack(raw_obs)
     keras_mean, _ = model(raw)
-    np_mean, _ = final.policy().forward(final.norm.obs(raw))
+    program_model = NumpyModel(final.doc.program)
+    program_model.set_weights(final.weights, 0)
+    np_mean, _ = program_model(final.norm.obs(raw))
     np.testing.assert_allclose(keras_mean.numpy(), np_mean, rtol=1e-4, atol=1e-4)
 
 
@@ -130,7 +135,7 @@ def test_a_live_master_refuses_bad_statistics_from_a_peer(tmp_path: Path) -> Non
     import socket
 
     from worker import protocol as p
-    from worker.normalize import Moments, moments_fields
+    from worker.normalize import Moments, moments_arrays
     from worker.protocol import Connection, MsgType
 
     with socket.socket() as s:
@@ -161,15 +166,13 @@ def test_a_live_master_refuses_bad_statistics_from_a_peer(tmp_path: Path) -> Non
             "logp": np.full(n, -1.0, np.float32), "advantages": np.zeros(n, np.float32),
             "returns": np.zeros(n, np.float32), "ep_returns": np.zeros(0), "ep_lengths": np.zeros(0, np.int32)}
         for prefix, m in (("obs", Moments.of(np.zeros((n, 3)))), ("ret", Moments.of(np.zeros((n, 1))))):
-            f, a = moments_fields(prefix, m)
-            fields.update(f)
-            arrays.update(a)
-        fields["obs_count"] = 10**9  # a peer claiming a billion observations to swamp the statistics
+            arrays.update(moments_arrays(prefix, m))
+        arrays["obs_count"] = np.array([1e9])  # a peer claiming a billion observations to swamp the statistics
         conn.send(MsgType.TRAJ, fields, arrays)
         network = wait_for(lambda: status_of(tmp_path).get("network", {}).get("rejected.bad_norm"), 30,
                            "the master to count the rejection")
         assert network == 1
-        assert "bad_norm (obs_count 1000000000 is outside [0, 8]" in log.read_text()
+        assert "bad_norm (obs_count 1e+09 is not a whole number in [0, 8]" in log.read_text()
         # The honest group trains on.
         updates = status_of(tmp_path)["updates"]
         wait_for(lambda: status_of(tmp_path).get("updates", 0) > updates, 60, "training to continue")

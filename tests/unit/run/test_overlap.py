@@ -19,12 +19,15 @@ import numpy as np
 import pytest
 
 from tests.helpers import ROOT, SECRET, child_env, launcher_cmd, only_run, status_of, wait_for
+from tests.policy_fixtures import builtin, numpy_context, policy_of
 from worker.algorithms import hparams
+
 from worker.algorithms.rollout import Collector
+from worker.api import Payload, Schedule
 from worker.contract import GroupAssignment, RunSpec
-from worker.models import Architecture, NumpyPolicy, expected_shapes, get_named_weights
+from worker.keras_convert import get_weights
 from worker.protocol import Connection, MsgType, client_handshake
-from worker.rounds import PpoRounds, policy_lag
+from worker.schedules import Scheduler, policy_lag
 
 
 def progress_records(run_dir: Path) -> list[dict[str, Any]]:
@@ -34,14 +37,14 @@ def progress_records(run_dir: Path) -> list[dict[str, Any]]:
 
 # ------------------------------------------------------------------------------------------- pure parts
 def test_a_round_drops_segments_older_than_the_bound_and_reports_the_lag_of_the_rest() -> None:
-    rounds = PpoRounds(max_queue=8, update_wait_s=60.0, max_staleness=2)
+    rounds = Scheduler(Schedule.overlapped(max_lag=2, max_wait_s=60.0, round_size=8))
     seg = {"logp": np.zeros(3, np.float32)}
     for group, version in ((0, 9), (1, 8), (2, 7), (3, 3)):
-        rounds.add(group, f"link{group}", {"version": version}, seg)
-    links, parts, stale = rounds.take(version=9)
-    assert links == ["link0", "link1", "link2", "link3"]  # every sender gets weights, the dropped one too
-    assert stale == 1 and len(parts) == 3  # version 3 is 6 behind: counted, not learned from
-    assert rounds.lags == [0, 1, 2] and len(rounds) == 0
+        assert rounds.offer(f"link{group}", Payload(seg, group=group, version=version)) is False  # answered later
+    taken = rounds.take(version=9)
+    assert taken.links == ["link0", "link1", "link2", "link3"]  # every sender gets weights, the dropped one too
+    assert taken.stale == 1 and len(taken.payloads) == 3  # version 3 is 6 behind: counted, not learned from
+    assert taken.lags == [0, 1, 2] and len(rounds) == 0
     assert policy_lag(5, 7) == 0  # weights from before a resume are not "negative lag"
 
 
@@ -59,9 +62,10 @@ def test_the_synchronous_round_is_an_option_and_overlap_the_default() -> None:
 def test_next_step_autoreset_rows_are_masked_out_and_truncation_bootstraps() -> None:
     """CartPole's own vector env resets a finished copy on the *next* step (reward 0, action ignored)."""
     vec = gymnasium.make_vec("CartPole-v1", num_envs=2, vectorization_mode="vector_entry_point", max_episode_steps=5)
-    arch = Architecture.for_spaces(vec.single_observation_space, vec.single_action_space)
-    pol = NumpyPolicy(arch)
-    pol.set_weights({k: np.full(s, 0.01, np.float32) for k, s in expected_shapes(arch).items()}, 3)
+    algorithm, model = builtin(vec)
+    ctx = numpy_context(algorithm, model)
+    ctx._runtime.swap_in({k: np.full(v.shape, 0.01, np.float32) for k, v in get_weights(model).items()}, 3)
+    pol = policy_of(ctx, "float32")
     col = Collector(vec, pol, gamma=0.99, lam=0.95, seed=0)
     seg = col.collect(12)
     # Per copy: steps 0-4 an episode (truncated), 5 a reset, 6-10 an episode, 11 a reset.
@@ -75,13 +79,12 @@ def test_next_step_autoreset_rows_are_masked_out_and_truncation_bootstraps() -> 
 
 def test_the_learner_corrects_lagged_segments_with_truncated_importance_weights() -> None:
     """Lag 0: the weights are 1 (classic PPO). Behaviour log-probs far below the learner's: weights cut at rho_bar."""
-    from worker.algorithms.ppo import PPOLearner
+    from worker.algorithms.ppo_update import PPOLearner
 
-    arch = Architecture(kind="mlp", obs_shape=(4,), continuous=False, n_outputs=2)
+    algorithm, model = builtin(gymnasium.make("CartPole-v1"))
     hp = {**hparams.resolve("ppo", "CartPole-v1"), "epochs": 1, "minibatches": 1}
-    learner = PPOLearner(arch, hp, seed=0)
-    pol = NumpyPolicy(arch)
-    pol.set_weights(get_named_weights(learner.model), 0)
+    learner = PPOLearner(model, hp, 0, continuous=False, n_outputs=2, obs_shape=(4,), obs_dtype="float32")
+    pol = policy_of(numpy_context(algorithm, model), "float32")
     rng = np.random.default_rng(0)
     obs = rng.standard_normal((64, 4)).astype(np.float32)
     actions, logp, _ = pol.act(obs, rng)
@@ -116,7 +119,7 @@ def test_a_stale_segment_is_counted_and_not_applied(tmp_path: Path) -> None:
                   "logp": np.full(n, -0.69, np.float32), "advantages": np.ones(n, np.float32),
                   "returns": np.ones(n, np.float32), "ep_returns": np.zeros(0), "ep_lengths": np.zeros(0, np.int32)}
         conn.send(MsgType.TRAJ, {"version": -10, "env_steps": n}, arrays)
-        assert _next_weights(conn) == 0  # answered, so the group goes on, but nothing was learned
+        assert _next_weights(conn) == 0  # answered ("unchanged"), so the group goes on, but nothing was learned
         st = wait_for(lambda: (lambda d: d if d.get("policy_lag", {}).get("dropped") else None)(status_of(tmp_path)),
                       10, "status.json to count the drop")
         assert st["updates"] == 0 and st["network"].get("dropped.stale") == 1
@@ -148,7 +151,7 @@ def _next_weights(conn: Connection) -> int:
         msg = conn.recv()
         if msg.type == MsgType.WEIGHTS:
             return int(msg.fields["version"])
-        assert msg.type == MsgType.HEARTBEAT, msg.type
+        assert msg.type in (MsgType.HEARTBEAT, MsgType.SETUP), msg.type
 
 
 # ------------------------------------------------------------------------------------------ whole runs

@@ -298,3 +298,28 @@ def test_hostile_weights_make_the_group_reconnect_not_crash(attack: str) -> None
     finally:
         srv.close()
     assert served["n"] == 2 and sum(group.rejected.values()) >= 1, group.rejected
+
+
+def test_a_group_whose_secret_is_refused_exits_with_the_contracts_code() -> None:
+    """The supervisor does not restart a group that exits GROUP_AUTH_REFUSED_EXIT (nor spend its budget:
+    tests/unit/host/test_supervisor.py), so the group must exit with exactly it, at once, when the master refuses
+    its secret."""
+    from worker.contract import GROUP_AUTH_REFUSED_EXIT
+    from worker.group import WorkerGroup
+    from worker.protocol.handshake import server_handshake
+
+    def master_with_another_secret(conn: Connection) -> None:
+        try:
+            server_handshake(conn, b"another secret, not the group's", "run-1", deadline=time.monotonic() + 5)
+        except ProtocolError as exc:  # what worker.links does with a peer that fails the handshake
+            conn.send(MsgType.REJECT, {"reason": "authentication failed" if exc.reason == "bad_auth" else exc.reason})
+
+    srv, _ = serve_once(master_with_another_secret)
+    port = srv.getsockname()[1]
+    group = WorkerGroup(_spec(port), 0, SECRET, ("127.0.0.1", port), reconnect_deadline_s=30.0)
+    try:
+        t0 = time.monotonic()
+        assert group.run() == GROUP_AUTH_REFUSED_EXIT
+        assert time.monotonic() - t0 < 10, "refused once is enough: no reconnecting"
+    finally:
+        srv.close()
