@@ -1,4 +1,4 @@
-"""``python -m bench [all|tts|actors|learning|update|transport|memory|launch|report] [--quick]``
+"""``python -m bench [all|tts|actors|acting|learning|update|transport|memory|launch|report] [--quick]``
 
 Runs the benchmarks, prints a table for each, writes ``bench/results/<name>.json`` and plots, and
 regenerates ``docs/benchmarks.md`` from every result present. Each figure is a ratio against a
@@ -41,13 +41,13 @@ def save(name: str, data: dict[str, Any], command: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench")
     parser.add_argument("which", nargs="*", default=["all"],
-                        choices=["all", "tts", "actors", "learning", "update", "transport", "memory", "launch",
-                                 "report"])
+                        choices=["all", "tts", "actors", "acting", "learning", "update", "transport", "memory",
+                                 "launch", "report"])
     parser.add_argument("--quick", action="store_true", help="fewer seeds and repetitions")
     args = parser.parse_args(argv)
     which = set(args.which)
     if "all" in which:
-        which = {"transport", "actors", "learning", "update", "memory", "launch", "tts"}
+        which = {"transport", "actors", "acting", "learning", "update", "memory", "launch", "tts"}
     cmd = "python -m bench " + " ".join(args.which) + (" --quick" if args.quick else "")
     from bench import suites, transport
 
@@ -60,6 +60,10 @@ def main(argv: list[str] | None = None) -> int:
         data = suites.actor_efficiency(counts, steps=40_000 if args.quick else 120_000, reps=3)
         save("actors", data, cmd)
         _print("actor efficiency", data["table"], ("workers", "system_env_steps_per_s", "single_process_env_steps_per_s", "ratio"))
+    if "acting" in which:
+        data = suites.acting_paths(8, steps=40_000 if args.quick else 100_000, reps=2 if args.quick else 3)
+        save("acting", data, cmd)
+        _print("acting path, 8 workers, learning off", data["table"], ("acting", "env_steps_per_s", "ratio_vs_numpy"))
     if "learning" in which:
         data = suites.learning_on(8, steps=60_000 if args.quick else 150_000, reps=3)
         save("learning", data, cmd)

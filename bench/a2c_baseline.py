@@ -29,19 +29,30 @@ def solve_cartpole(seed: int, *, target: float = 475.0, window: int = 100, n_env
     t0 = time.perf_counter()
     import tensorflow as tf
 
-    from worker.algorithms.a3c import A3CGradients
+    import keras
+
+    from worker.algorithms.a3c_grads import A3CGradients
+    from worker.algorithms.actor_critic import ActorCriticPolicy
     from worker.algorithms.rollout import Collector
+    from worker.api import Spaces
     from worker.envs import make_vector_env
-    from worker.models import Architecture, NumpyPolicy, get_named_weights
+    from worker.keras_convert import get_weights, to_program, weight_names
+    from worker.models import Architecture, build_keras_model
+    from worker.numpy_model import NumpyModel
 
     envs = make_vector_env("CartPole-v1", n_envs)
+    spaces = Spaces(envs.single_observation_space, envs.single_action_space)
     hp = {"vf_coef": 0.5, "ent_coef": 0.001}
-    arch = Architecture.for_spaces(envs.single_observation_space, envs.single_action_space)
-    learner = A3CGradients(arch, hp, seed)  # one model: compute gradients and apply them in place
+    keras.utils.set_random_seed(seed)
+    model = build_keras_model(Architecture.for_spaces(spaces.observation, spaces.action))
+    names = [n for n, v in zip(weight_names(model), model.weights) if v.trainable]
+    # One model: compute gradients and apply them in place.
+    learner = A3CGradients(model, names, hp, continuous=False, n_outputs=spaces.n_actions)
     opt = tf.keras.optimizers.Adam(learning_rate=lr, epsilon=1e-5)
     variables = learner.variables
-    policy = NumpyPolicy(arch)
-    policy.set_weights(get_named_weights(learner.model), 0)
+    numpy_model = NumpyModel(to_program(model))  # numpy inference, as a group acts
+    numpy_model.set_weights(get_weights(model), 0)
+    policy = ActorCriticPolicy(numpy_model, spaces, "float32")
     collector = Collector(envs, policy, gamma=0.99, lam=1.0, seed=seed * 100)
     recent: collections.deque[float] = collections.deque(maxlen=window)
     version = 0
@@ -60,7 +71,7 @@ def solve_cartpole(seed: int, *, target: float = 475.0, window: int = 100, n_env
         g, _, _, _ = learner._grads(batch["obs"], batch["actions"], batch["advantages"], batch["returns"])
         apply(list(g))
         version += 1
-        policy.set_weights(get_named_weights(learner.model), version)
+        numpy_model.set_weights(get_weights(model), version)
     return SolveResult(False, time.perf_counter() - t0, collector.total_steps, float(np.mean(recent)) if recent else 0.0)
 
 

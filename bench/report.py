@@ -94,6 +94,19 @@ def write_report(results: Path, doc: Path) -> None:
         out += ["", f"![time to solve]({IMG}/time_to_solve.png)", ""]
     else:
         out += ["Not measured yet: `python -m bench tts`.", ""]
+    acting = _load(results, "acting")
+    if acting:
+        out += ["## 1b. Acting in numpy or in TensorFlow: the same MLP", "",
+                f"Command: `{acting['command']}` (section `acting`). `launcher up --backend process --algo ppo` on",
+                f"CartPole-v1, {acting['workers']} workers (one group), {acting['steps']} env steps, `--set epochs=0`",
+                "(learning off: acting and transport alone), with `--acting numpy` (the program converted from the",
+                "Keras model, no TensorFlow in the group) and `--acting tensorflow` (the group builds the Keras model",
+                f"and calls it compiled on the batch of envs); {acting['reps']} interleaved pairs, medians.", "",
+                "| acting | env-steps/s | ratio vs numpy | runs |", "|---|---|---|---|"]
+        for r in acting["table"]:
+            out.append(f"| {r['acting']} | {_f(r['env_steps_per_s'], 0)} | {_f(r['ratio_vs_numpy'])} | "
+                       f"{', '.join(_f(x, 0) for x in r['runs'])} |")
+        out += [""]
     out += ["## 2. Actor efficiency and scaling, 1 to 32 workers", ""]
     if actors:
         out += [f"Command: `{actors['command']}` (section `actors`). System: `launcher up --backend process --algo ppo` on",

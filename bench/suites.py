@@ -73,15 +73,17 @@ def _single_process_rate(workers: int, steps: int) -> float:
     """Env steps/s of one process stepping ``workers`` CartPole envs with the numpy policy; no transport, no
     learning. The envs are one vector env built exactly as a worker group builds its own."""
     code = f"""
-import time, numpy as np
+import json, sys, time, numpy as np
 from worker.envs import make_vector_env
-from worker.models import Architecture, NumpyPolicy, expected_shapes
+from worker.algorithms.actor_critic import ActorCriticPolicy
 from worker.algorithms.rollout import Collector
+from worker.api import Spaces
+from worker.numpy_model import NumpyModel, Program
 envs = make_vector_env("CartPole-v1", {workers})
-arch = Architecture.for_spaces(envs.single_observation_space, envs.single_action_space)
-pol = NumpyPolicy(arch)
+model = NumpyModel(Program.from_dict(json.loads(sys.stdin.read())))  # the built-in network's program, no TF here
 rng = np.random.default_rng(0)
-pol.set_weights({{k: (rng.standard_normal(s) * 0.1).astype(np.float32) for k, s in expected_shapes(arch).items()}}, 0)
+model.set_weights({{k: (rng.standard_normal(s) * 0.1).astype(np.float32) for k, s in model.shapes.items()}}, 0)
+pol = ActorCriticPolicy(model, Spaces(envs.single_observation_space, envs.single_action_space), "float32")
 col = Collector(envs, pol, gamma=0.99, lam=0.95, seed=0)
 n = max(1, {steps} // (64 * {workers}))
 col.collect(64)
@@ -92,8 +94,24 @@ print(done / (time.perf_counter() - t))
 """
     # The same thread settings a group gets from the launcher (one BLAS thread): a like-for-like process.
     p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**env(), "OMP_NUM_THREADS": "1",
-                       "OPENBLAS_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
+                       "OPENBLAS_NUM_THREADS": "1"}, input=json.dumps(cartpole_program()), capture_output=True,
+                       text=True, timeout=600)
     return float(p.stdout.strip().splitlines()[-1])
+
+
+def cartpole_program() -> dict[str, Any]:
+    """The numpy program of the built-in CartPole network (made here, in the bench's own process, so the
+    single-process baseline imports no TensorFlow, as a group does not)."""
+    import keras
+
+    from worker.keras_convert import to_program
+    from worker.models import Architecture, build_keras_model
+
+    keras.utils.set_random_seed(0)
+    import gymnasium
+
+    env = gymnasium.make("CartPole-v1")
+    return to_program(build_keras_model(Architecture.for_spaces(env.observation_space, env.action_space))).to_dict()
 
 
 def _system_rate(results: Path, workers: int, steps: int, *extra: str) -> float:
@@ -110,6 +128,20 @@ def _system_rate(results: Path, workers: int, steps: int, *extra: str) -> float:
 # epochs=0: the master re-broadcasts the weights without training, so this measures acting, transport and
 # the rounds alone (learning-bound speed is what time-to-solve and learning_on measure).
 LEARNING_OFF = ("--set", "epochs=0")
+
+
+def acting_paths(workers: int = 8, steps: int = 100_000, reps: int = 3) -> dict[str, Any]:
+    """The same MLP (the built-in CartPole network) acted with the numpy program and with TensorFlow in the
+    groups (``--acting``), learning off: env steps/s of a ``launcher up`` run, ``reps`` interleaved pairs."""
+    rates: dict[str, list[float]] = {"numpy": [], "tensorflow": []}
+    for _ in range(reps):
+        for path in rates:
+            with tempfile.TemporaryDirectory() as tmp:
+                rates[path].append(_system_rate(Path(tmp), workers, steps, *LEARNING_OFF, "--acting", path))
+    base = median(rates["numpy"])
+    table = [{"acting": path, "env_steps_per_s": median(r), "ratio_vs_numpy": median(r) / base, "runs": r}
+             for path, r in rates.items()]
+    return {"table": table, "workers": workers, "steps": steps, "reps": reps}
 
 
 def actor_efficiency(worker_counts: list[int], steps: int, reps: int = 3) -> dict[str, Any]:
@@ -152,11 +184,14 @@ import numpy as np, tensorflow as tf
 threads, jit = int(sys.argv[1]), sys.argv[2] == "1"
 tf.config.threading.set_intra_op_parallelism_threads(threads)
 tf.config.threading.set_inter_op_parallelism_threads(1)
+import keras
 from worker.algorithms import hparams
-from worker.algorithms.ppo import PPOLearner
-from worker.models import Architecture
-arch = Architecture(kind="mlp", obs_shape=(4,), continuous=False, n_outputs=2)
-learner = PPOLearner(arch, hparams.resolve("ppo", "CartPole-v1", {"jit_compile": jit}), 0)
+from worker.algorithms.ppo_update import PPOLearner
+from worker.models import Architecture, build_keras_model
+keras.utils.set_random_seed(0)
+model = build_keras_model(Architecture(kind="mlp", obs_shape=(4,), continuous=False, n_outputs=2))
+learner = PPOLearner(model, hparams.resolve("ppo", "CartPole-v1", {"jit_compile": jit}), 0, continuous=False,
+                     n_outputs=2, obs_shape=(4,), obs_dtype="float32")
 rng = np.random.default_rng(0)
 def batch(n):
     return {"obs": rng.standard_normal((n, 4)).astype(np.float32), "actions": rng.integers(0, 2, n),
