@@ -78,6 +78,8 @@ class RunView:
             # What ended a failed run (summary.json's error: type, message, where), printable text only.
             "error": error_line(self.summary.get("error")),
             "foreign_processes": self.gpu_watch.get("foreign_processes", []),
+            # Masters that died by a signal and were replaced in place (issue 27), as the newest master says.
+            "recoveries": s.get("recoveries", self.summary.get("recoveries")) or [],
         }
 
 

@@ -28,6 +28,7 @@ from launcher.backends.base import Backend, BackendStatus, Part, PartState, Prep
 from launcher.engine.errors import ENGINE_RESTART_WINDOW_S, EngineUnreachable
 from launcher.errors import ExitCode, Interrupted, LauncherError
 from launcher.procs import launcher_record
+from launcher.recovery import MasterRecovery, death_signal, stamp
 from launcher.runs import error_line
 from launcher.rundata import status_doc, summary_doc
 from launcher.runstate import end_state
@@ -181,6 +182,10 @@ def supervise(run: PreparedRun, backend: Backend, *, on_event: Event | None = No
     started = clock()
     state = RunState.STARTING
     budget = Budget(cfg.restart_budget, backend.restart_grace_s, clock, raised=lambda i: group_error(run, i))
+    recovery = MasterRecovery(cfg.master_restarts, clock=clock)
+    summary_mark = stamp(run.run_dir.files.summary)  # one left by an earlier master (--resume) is not an end
+    recovering: float | None = None  # since when a new master is being started in place of a dead one
+    seen_recoveries = 0
     final: RunState | None = None
     failure: BaseException | None = None
     message = ""
@@ -192,6 +197,7 @@ def supervise(run: PreparedRun, backend: Backend, *, on_event: Event | None = No
             raise Interrupted(f"interrupted by {signal.Signals(stopper.requested).name} before the start")
         backend.watch_stop(lambda: stopper.requested is not None)  # a start that waits in a queue gives up on it
         backend.start(run)
+        recovery.started()
         running_since = clock()  # --timeout counts from here: a queued run had not started
         run.run_dir.update_record(state=RunState.RUNNING.value, **{**backend.describe(), **launcher_record()})
         state = RunState.RUNNING
@@ -226,9 +232,28 @@ def supervise(run: PreparedRun, backend: Backend, *, on_event: Event | None = No
             status = status_doc(read_json_at(run.run_dir.files.status))  # the run's to write: typed first
             if status:
                 emit("status", {"status": status, "backend": st, "restarts": dict(budget.restarts)})
+                recs = status.get("recoveries") or []
+                if recovering is not None and len(recs) > seen_recoveries:
+                    r = recs[-1]
+                    emit("event", {"message": f"the new master is up {clock() - recovering:.1f} s after the death, "
+                                              f"from checkpoint {r.get('checkpoint')} ({r.get('restored_env_steps')} "
+                                              f"env steps; {r.get('steps_lost')} lost)"})
+                    recovering = None
+                seen_recoveries = max(seen_recoveries, len(recs))
             if not st.master.state.alive:
+                verdict = recovery.judge(st.master.exit_code, supported=backend.recovers_master, backend=backend.name,
+                                         ended_on_record=stamp(run.run_dir.files.summary) != summary_mark)
+                if verdict.recover:
+                    emit("event", {"message": f"the master died ({verdict.why})"})
+                    backend.restart_master()
+                    recovery.started()
+                    recovering = clock()
+                    run.run_dir.update_record(master_recoveries=recovery.deaths, **backend.describe())
+                    continue
                 backend.fetch_results()
                 final, message = _master_ended(run, st)
+                if death_signal(st.master.exit_code) is not None and final == RunState.FAILED:
+                    message += f" (not replaced: {verdict.why})"
                 break
             if budget.all_lost:
                 final, message = RunState.FAILED, "every worker group died and their restart budgets are spent"

@@ -49,9 +49,11 @@ def docker_client() -> Iterator[Any]:
 
 @pytest.fixture(scope="session")
 def launcher_image(docker_client: Any) -> str:
-    """The CPU worker image, built through the offline path once per session; returns its tag."""
+    """The CPU worker image, built through the offline path once per session; returns its tag
+    (``LAUNCHER_TEST_IMAGE_TAG`` names another, so a second checkout's session on the same engine does not
+    retag the image a first one is using)."""
     options = BuildOptions(
-        tag=default_tag(Flavour.CPU),
+        tag=os.environ.get("LAUNCHER_TEST_IMAGE_TAG") or default_tag(Flavour.CPU),
         flavour=Flavour.CPU,
         offline=True,
         no_cache=os.environ.get("LAUNCHER_TEST_NO_CACHE") == "1",

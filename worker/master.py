@@ -35,6 +35,7 @@ from worker.envs import make_env
 from worker.inbox import ByteBoundedInbox
 from worker.links import Counters, GroupLink, LinkServer, listening_socket
 from worker.protocol import Message, MsgType, encode_parts
+from worker.recovery import note_recovery, previous_master
 from worker.reporting import (Tally, episodes_record, export_model, numeric, policy_doc, save_best,
                               save_checkpoint_policy, write_policy_doc)
 from worker.results import MetricsLog, atomic_write_json, atomic_write_text, plot_learning_curve
@@ -88,9 +89,12 @@ class Master:
     def run(self) -> int:
         self.files.root.mkdir(parents=True, exist_ok=True)
         self.metrics = MetricsLog(self.files.metrics)
+        prev = previous_master(self.files.status)  # a master of this run that died mid-run: this one recovers it
+        self._restored_from: str | None = None
         try:
             self._load_algorithm()
             self._build_learner()
+            note_recovery(prev, self.tally, self._restored_from, self.metrics, self.tb)
             self._serve()
             self.state = MasterState.RUNNING
             self._check_done()  # a resumed run may already be done
@@ -167,6 +171,7 @@ class Master:
             self.tally.c = c
             self.tally.recent.extend(recent)
             self.tally.last_ckpt = (c.updates, time.monotonic(), path)
+            self._restored_from = path
             log.info("resumed from %s: env_steps=%d updates=%d episodes=%d", path, c.env_steps, c.updates, c.episodes)
         self._phase = "deciding how the groups act"
         self._decide_acting(convert(self.model, self.spaces.observation, seed=spec.seed), shapes, trainable)

@@ -77,6 +77,7 @@ class Tally:
         self.lag_max = 0
         self.lag_dropped = 0
         self.last_ckpt: tuple[int, float, str] | None = None
+        self.recoveries: list[dict[str, Any]] = []  # masters of this run that died and were replaced (recovery)
         self.started = time.time()
         self.groups: dict[int, GroupStats] = {g.index: GroupStats(g.workers) for g in spec.groups}
         self._lock = threading.Lock()
@@ -165,6 +166,7 @@ class Tally:
             "target": {"until_return": spec.until_return, "max_steps": spec.max_steps},
             "stop_reason": stop_reason, "pid": os.getpid(),
             "acting": dict(acting) if acting else None, "error": dict(error) if error else None,
+            "recoveries": list(self.recoveries),
         }
 
     def progress_record(self, st: Mapping[str, Any]) -> dict[str, Any]:
@@ -182,7 +184,8 @@ class Tally:
                 "throughput/updates": self.c.updates,
                 **{f"policy_lag/{k}": v for k, v in st["policy_lag"].items()},
                 **{f"loss/{k}": v for k, v in self.losses.items()},
-                **{f"network/{k}": v for k, v in st["network"].items()}}
+                **{f"network/{k}": v for k, v in st["network"].items()},
+                "recovery/count": len(self.recoveries)}
 
     def summary(self, *, outcome: str, reason: str, root: Path, network: dict[str, int],
                 error: Mapping[str, str] | None = None, acting: Mapping[str, Any] | None = None) -> dict[str, Any]:
@@ -201,6 +204,7 @@ class Tally:
             # ...); the full traceback is in the master's or the group's log.
             "error": dict(error) if error else None,
             "acting": None if not acting else acting.get("path"),
+            "recoveries": list(self.recoveries),
         }
 
 

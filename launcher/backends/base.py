@@ -247,11 +247,13 @@ class Backend(abc.ABC):
     ``restart_grace_s``: how long a FAILED group is left to the backend's own system (Docker's restart
     policy, the swarm) before the supervisor restarts it itself; 0 when nothing else ever restarts it.
     ``outlives_launcher``: whether the run's parts survive the launcher (``up --detach`` needs it).
+    ``recovers_master``: whether :meth:`restart_master` can replace a dead master in place (issue 27).
     """
 
     name: ClassVar[str] = "?"
     restart_grace_s: ClassVar[float] = 0.0
     outlives_launcher: ClassVar[bool] = False
+    recovers_master: ClassVar[bool] = False
     detach_hint: ClassVar[str] = "add --backend docker (an engine must answer), or leave out --detach"
     _stop_check: Callable[[], bool] | None = None
 
@@ -274,6 +276,11 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def restart_group(self, index: int) -> None:
         """Start group ``index`` again after it died (the supervisor decides when, within the budget)."""
+
+    def restart_master(self) -> None:
+        """Start a new master in place of the dead one: the same command, environment, GPU leases, secret and
+        address, so the groups reconnect to it (:mod:`launcher.recovery`). Only where ``recovers_master``."""
+        raise NotImplementedError(f"the {self.name} backend does not replace a dead master")
 
     @abc.abstractmethod
     def stop(self, *, grace_s: float = 8.0) -> None:

@@ -132,6 +132,7 @@ class DockerBackend(Backend):
     name = "docker"
     restart_grace_s = 5.0  # the engine's on-failure back-off starts at 100 ms and doubles per failure
     outlives_launcher = True
+    recovers_master = True
 
     def __init__(self, image: str | None = None, *, progress: Progress | None = None, engine: Engine | None = None,
                  gpu_runtime: bool | None = None, publish_port: int | None = None, build: str = "auto",
@@ -158,6 +159,7 @@ class DockerBackend(Backend):
         self.build = build
         self.on_build = on_build
         self.run: PreparedRun | None = None
+        self._leases: tuple[tuple[str, ...], Any] = ((), None)  # (UUIDs handed to the master, their lease dir)
         self.ids: dict[str, str] = {}  # container name -> id
         self.group_ids: dict[int, str] = {}
         self.master_id: str | None = None
@@ -237,6 +239,7 @@ class DockerBackend(Backend):
         lease = run.reservation if run.reservation is not None and run.reservation.uuids else None
         where = handover.lease_dir_of(lease) if lease else None
         uuids = handover.hand_over(lease) if lease else ()
+        self._leases = (uuids, where)  # the master holds them now; a new master (restart_master) takes them again
         # Groups start with the master: they dial with back-off until it listens (it imports TF first).
         self.engine.start(master_id)
         if uuids:
@@ -267,6 +270,21 @@ class DockerBackend(Backend):
                 self._master_stop_seen = True
                 return
         time.sleep(max(0.0, seconds - (time.monotonic() - t0)))
+
+    def restart_master(self) -> None:
+        """Start the dead master's container again (like ``docker start``): its name on the run's network, mounts,
+        environment and secret are the same, so the groups reconnect to it. It takes the GPU leases again as at
+        the start; one taken by another run in the gap ends this run (NoResources), as at the start."""
+        assert self.master_id is not None and self.run is not None
+        master_id = self.master_id
+        self._master_stop_seen = False
+        uuids, where = self._leases
+        self.engine.start(master_id)
+        if uuids:
+            def exit_code() -> int | None:
+                c = self.engine.inspect(master_id)
+                return -1 if c is None else c.exit_code
+            handover.confirm_held_by_container(uuids, master_id, exit_code=exit_code, where=where)
 
     def restart_group(self, index: int) -> None:
         """Start group ``index``'s exited container again (like ``docker start``)."""

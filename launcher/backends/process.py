@@ -198,6 +198,7 @@ class ProcessBackend(Backend):
     """Runs a :class:`PreparedRun` as local processes."""
 
     name = "process"
+    recovers_master = True
 
     def __init__(self, python: str | None = None, *, orphan_grace_s: float = ORPHAN_GRACE_S,
                  log_cap_bytes: int = LOG_CAP_BYTES) -> None:
@@ -270,9 +271,8 @@ class ProcessBackend(Backend):
                            genv, logs / group_log_name(g.index), secret=run.secret)
             self._start_child(child)
             self.groups[g.index] = child
-        # The master holds its own copy of the listening socket now.
-        sock.close()
-        self._sock = None
+        # The launcher keeps its copy of the listening socket: a new master started in place of a dead one
+        # (restart_master) gets the same address, and connections made meanwhile wait in its backlog.
         log.info("started master (pid %s) and %d groups on 127.0.0.1:%d", self.master.proc and self.master.proc.pid,
                  len(self.groups), port)
 
@@ -312,6 +312,15 @@ class ProcessBackend(Backend):
         os.write(child.open_log(), f"--- launcher: restarting {child.name} (restart {child.restarts}) ---\n".encode())
         self._start_child(child)
 
+    def restart_master(self) -> None:
+        """A new master process in place of the dead one: the same argv, environment, secret, GPU lease descriptors
+        and listening socket (still open here), so the groups' reconnects reach it."""
+        assert self.master is not None and self._sock is not None
+        self.master.restarts += 1
+        os.write(self.master.open_log(), f"--- launcher: the master died (exit {self.master.exit_code()}); starting "
+                                         f"a new one from the newest checkpoint ---\n".encode())
+        self._start_child(self.master)
+
     def stop(self, *, grace_s: float = 8.0) -> None:
         deadline = time.monotonic() + grace_s
         if self.master is not None:
@@ -338,6 +347,7 @@ class ProcessBackend(Backend):
             self._reaper = None
         if self._sock is not None:
             self._sock.close()
+            self._sock = None
 
     @staticmethod
     def _wait(children: list[_Child], deadline: float) -> None:

@@ -46,6 +46,12 @@ def format_view(v: RunView) -> str:
              f"  workers     {d['workers_connected']} connected in {d['groups_connected']}/{d['groups']} groups"]
     if d["error"]:
         lines.append(f"  error       {d['error']}")
+    recs = [r for r in d["recoveries"] if isinstance(r, dict)]
+    if recs:
+        last = recs[-1]
+        lines.append(f"  recovered   the master {len(recs)} time(s); last from {last.get('checkpoint') or 'no checkpoint'} "
+                     f"({_num(last.get('restored_env_steps'))} env steps, {_num(last.get('steps_lost'))} lost), "
+                     f"{sum(r.get('steps_lost') or 0 for r in recs)} env steps lost in all")
     for p in v.parts:
         extra = "".join([f" exit {p.exit_code}" if p.exit_code is not None else "",
                          f" health {p.health}" if p.health else "",

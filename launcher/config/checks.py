@@ -76,6 +76,8 @@ def validate(cfg: RunConfig) -> list[str]:
         problems.append(f"--checkpoint-every must be >= 1, got {cfg.checkpoint_every}")
     if cfg.restart_budget < 0:
         problems.append(f"--restart-budget must be >= 0, got {cfg.restart_budget}")
+    if cfg.master_restarts < 0:
+        problems.append(f"--master-restarts must be >= 0, got {cfg.master_restarts}")
     problems.extend(_gpu_request(cfg)[2])  # its placement problems are the --workers/--groups ones above
     problems.extend(_check_slurm(cfg))
     if cfg.image is not None:

@@ -49,6 +49,7 @@ class RunConfig:
     port: int = 0
     checkpoint_every: int | None = None
     restart_budget: int = 3
+    master_restarts: int = 3  # a master killed by a signal is replaced in place this many times in a row (recovery)
     hparams: Mapping[str, Any] = field(default_factory=dict)
     env_args: Mapping[str, Any] = field(default_factory=dict)  # keyword arguments for gymnasium.make (--env-arg)
     env_dir: Path | None = None  # a user's env source directory: on PYTHONPATH, mounted read-only into containers
@@ -154,6 +155,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("checkpoint-every", "checkpoint_every", "int", "updates between checkpoints (default: the algorithm's; 25 ppo, 500 a3c)",
            nullable=True, metavar="N"),
     Option("restart-budget", "restart_budget", "int", "restarts per worker group", metavar="N"),
+    Option("master-restarts", "master_restarts", "int", "a master killed by a signal is replaced in place, from "
+           "its newest checkpoint, up to N times in a row (each within 60 s of the last start); 0: never",
+           metavar="N"),
     Option("min-free-memory", "min_free_memory", "size", "least free memory per GPU, e.g. 8GiB", metavar="SIZE"),
     Option("max-utilization", "max_utilization", "float", "highest GPU utilization, percent", metavar="PCT"),
     Option("image", "image", "str", "container image (docker/swarm backends)", nullable=True, metavar="IMAGE"),

@@ -348,8 +348,9 @@ def test_master_killed_then_resume_continues_from_the_checkpoint(launcher_image:
                                                                   engine: Engine) -> None:
     common = ("--image", launcher_image, "--results", str(runs_under))
     proc = subprocess.Popen(
+        # Recovery in place off (test_master_recovery_docker.py has it on): this is `up --resume`'s test.
         launcher_cmd("up", "--backend", "docker", *common, "--workers", "4", "--groups", "2", "--max-steps", "2000000",
-                     "--checkpoint-every", "5"),
+                     "--checkpoint-every", "5", "--master-restarts", "0"),
         cwd=ROOT, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         run = wait_for(lambda: next(iter(run_dirs(runs_under)), None), 30, "the run directory")

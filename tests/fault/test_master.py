@@ -76,12 +76,13 @@ def test_master_sigkill_and_torn_checkpoint_then_resume(tmp_path: Path) -> None:
         torn_at.add(kills - 2)
     root = tmp_path / "results"
     common = ("--results", str(root), "--progress", "plain", "--max-steps", "100000000")
+    # Recovery in place is off: this test is about `up --resume` (tests/fault/test_master_recovery.py: on).
     run: Path | None = None
     cycles: list[dict[str, Any]] = []
     for i in range(kills):
         if run is None:
             proc = launcher_proc("up", "--backend", "process", "--gpus", "none", "--workers", "4", "--groups", "2",
-                                 "--checkpoint-every", str(CHECKPOINT_EVERY), *common)
+                                 "--checkpoint-every", str(CHECKPOINT_EVERY), "--master-restarts", "0", *common)
         else:
             proc = launcher_proc("up", "--resume", run.name, *common)
         drain = Drain(proc)

@@ -1,6 +1,7 @@
 """The supervisor without processes (issue 23, item 6): a scripted backend and an injected clock drive
 ``supervise()`` through a timeout, SIGINT/SIGTERM, an engine outage shorter and longer than its window, a group
-that keeps dying until its restart budget is spent, and a group whose secret the master refused.
+that keeps dying until its restart budget is spent, a group whose secret the master refused, and a master
+killed by a signal (replaced in place, issue 27) or ending on purpose (not replaced).
 
 Only the backend is scripted (what a run's parts do, second by second); the signals are real (delivered to this
 process and caught by the supervisor's own handlers), the run's directory and record are real files. A run's
@@ -53,6 +54,8 @@ class ScriptedBackend(Backend):
     ``master_ends``: (when, exit code, summary.json's outcome), None: it runs until stopped. ``dies``: group ->
     (seconds after each (re)start it dies, its exit code). ``outage``: (from, to) the engine does not answer.
     ``signal_at``: (when, signal) delivered to this process, as a user's Ctrl-C or ``kill`` would.
+    ``master_kills``: seconds after each master (re)start at which it is SIGKILLed (no summary written); a new
+    master comes up on ``restart_master``.
     """
 
     clock: Clock
@@ -61,6 +64,9 @@ class ScriptedBackend(Backend):
     dies: dict[int, tuple[float, int]] = field(default_factory=dict)
     outage: tuple[float, float] | None = None
     signal_at: tuple[float, int] | None = None
+    master_kills: list[float] = field(default_factory=list)
+    master_restarts: int = 0
+    master_started: float = 0.0
     run: PreparedRun | None = None
     started_at: dict[int, float] = field(default_factory=dict)
     restarted: dict[int, int] = field(default_factory=dict)
@@ -69,10 +75,11 @@ class ScriptedBackend(Backend):
 
     name = "scripted"
     restart_grace_s = 0.0
+    recovers_master = True
 
     def start(self, run: PreparedRun) -> None:
         self.run = run
-        self.t_start = self.clock()
+        self.t_start = self.master_started = self.clock()
         self.started_at = dict.fromkeys(range(self.groups), self.t_start)
         self.restarted = dict.fromkeys(range(self.groups), 0)
 
@@ -91,6 +98,8 @@ class ScriptedBackend(Backend):
             if not self.run.run_dir.files.summary.exists():
                 atomic_write_json(self.run.run_dir.files.summary, {"outcome": outcome})
             master = Part("master", PartState.EXITED if code == 0 else PartState.FAILED, exit_code=code)
+        if self.master_kills and self.clock() - self.master_started >= self.master_kills[0]:
+            master = Part("master", PartState.FAILED, exit_code=-signal.SIGKILL, restarts=self.master_restarts)
         groups = {}
         for i in range(self.groups):
             after, code = self.dies.get(i, (float("inf"), 0))
@@ -98,6 +107,11 @@ class ScriptedBackend(Backend):
             groups[i] = Part(f"group-{i}", PartState.FAILED if dead else PartState.RUNNING,
                              exit_code=code if dead else None, restarts=self.restarted[i])
         return BackendStatus(master, groups)
+
+    def restart_master(self) -> None:
+        self.master_kills.pop(0)
+        self.master_restarts += 1
+        self.master_started = self.clock()
 
     def restart_group(self, index: int) -> None:
         self.restarted[index] += 1
@@ -241,3 +255,46 @@ def test_a_lost_groups_last_exception_is_named(tmp_path: Path) -> None:
     assert s.result.message.endswith(f"; group 0 last raised {line}")
     assert s.said(f"is spent; continuing with fewer workers; it raised {line}")
     assert s.result.to_dict()["group_errors"] == {"0": line}
+
+
+def test_a_master_killed_by_a_signal_is_replaced_in_place_and_the_groups_are_left_alone(tmp_path: Path) -> None:
+    """Issue 27: three SIGKILLs, each after the master lived past the window, and the run still ends as its
+    master says; the groups were never restarted."""
+    backend = ScriptedBackend(Clock(), master_kills=[90.0, 100.0, 70.0], master_ends=(400.0, 0, "target_reached"))
+    s = supervised(tmp_path, backend, master_restarts=1)  # each death after > 60 s of life: never "in a row"
+    assert s.result is not None and (s.result.state, s.result.exit_code) == (RunState.FINISHED, ExitCode.OK)
+    assert backend.master_restarts == 3 and backend.restarted == {0: 0, 1: 0}
+    assert sum("the master died (killed by SIGKILL; starting a new master from the newest checkpoint" in e
+               for e in s.events) == 3
+    assert [d["signal"] for d in s.record["master_recoveries"]] == ["SIGKILL"] * 3
+
+
+def test_a_master_that_dies_again_and_again_right_after_its_start_ends_the_run(tmp_path: Path) -> None:
+    backend = ScriptedBackend(Clock(), master_kills=[5.0] * 10)
+    s = supervised(tmp_path, backend, master_restarts=2)
+    assert s.result is not None and (s.result.state, s.result.exit_code) == (RunState.FAILED, ExitCode.RUN_FAILED)
+    assert backend.master_restarts == 2
+    assert "not replaced: it died 3 times in a row, each within 60 s of its start (--master-restarts 2)" \
+        in s.result.message
+    assert "launcher up --resume" in s.result.message
+
+
+@pytest.mark.parametrize("case", ["recorded an end", "exit code", "off", "backend"])
+def test_a_master_is_not_replaced_when_a_new_one_would_end_the_same_way(tmp_path: Path, case: str) -> None:
+    backend = ScriptedBackend(Clock(), master_kills=[20.0])
+    config: dict[str, Any] = {}
+    if case == "recorded an end":  # SIGTERM'd, it wrote its summary: someone meant it
+        backend = ScriptedBackend(Clock(), master_ends=(20.0, 143, "interrupted"))
+    elif case == "exit code":
+        backend = ScriptedBackend(Clock(), master_ends=(20.0, 1, "failed"))
+    elif case == "off":
+        config["master_restarts"] = 0
+    else:
+        backend.recovers_master = False  # type: ignore[misc]
+    s = supervised(tmp_path, backend, **config)
+    assert s.result is not None and (s.result.state, s.result.exit_code) == (RunState.FAILED, ExitCode.RUN_FAILED)
+    assert backend.master_restarts == 0 and not s.said("the master died (")
+    if case == "off":
+        assert "not replaced: --master-restarts is 0" in s.result.message
+    if case == "backend":
+        assert "not replaced: the scripted backend does not replace a dead master" in s.result.message
