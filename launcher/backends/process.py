@@ -29,7 +29,8 @@ from typing import Any
 
 from launcher import safefs
 from launcher.backends import envcheck
-from launcher.backends.base import Backend, BackendStatus, DownReport, Event, FoundRun, Part, PartState, PreparedRun
+from launcher.backends.base import (Backend, BackendStatus, DownReport, Event, FoundRun, Part, PartState, PreparedRun,
+                                    name_order)
 from launcher.backends.containers import Kind, worker_env
 from launcher.config import RunConfig
 from launcher.errors import BadInput
@@ -400,7 +401,7 @@ class ProcessRun(FoundRun):
 
     def parts(self) -> list[Part]:
         parts = []
-        for name, pid in sorted(self._pids().items(), key=lambda kv: (kv[0] != "master", kv[0])):
+        for name, pid in sorted(self._pids().items(), key=lambda kv: name_order(kv[0])):
             alive = self._belongs(name, pid)
             parts.append(Part(name, PartState.RUNNING if alive else PartState.EXITED, ident=str(pid),
                               status="alive" if alive else "gone"))

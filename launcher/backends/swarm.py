@@ -40,7 +40,7 @@ from launcher.backends.swarm_specs import (START_TIMEOUT_S, Placement, swarm_lab
                                            group_placement, master_placement, secret_name, service_specs, service_state,
                                            start_problem, volume_name)
 from launcher.engine.client import Engine
-from launcher.engine.labels import RUN_LABEL
+from launcher.engine.labels import ROLE_LABEL, RUN_LABEL
 from launcher.engine.swarm import PRE_RUNNING, STOP_GRACE_S, NodeInfo, SwarmEngine, TaskInfo, connect_swarm, latest
 from launcher.config import RunConfig
 from launcher.errors import BadInput, LauncherError, MissingDependency, NoResources
@@ -308,7 +308,7 @@ class SwarmBackend(Backend):
             if not image_exists(image, engine.client):
                 return {}  # start() says the image is missing, or the nodes pull it
             uid, gid = container_user()
-            probe = envcheck.probe_in_image(engine, image, cfg, {RUN_LABEL: run_id, "launcher.role": "envcheck"},
+            probe = envcheck.probe_in_image(engine, image, cfg, {RUN_LABEL: run_id, ROLE_LABEL: "envcheck"},
                                             f"{uid}:{gid}")
         finally:
             engine.close()
