@@ -41,7 +41,8 @@ from typing import Any, Callable
 from launcher import safefs
 from launcher.backends.base import Backend, BackendStatus, Event, Part, PreparedRun, event_lines
 from launcher.backends.containers import UNPRIVILEGED_UID_GID
-from launcher.backends.process import ORPHAN_GRACE_S, ProcessBackend, _Child, _Reaper, host_env
+from launcher.backends.process import ORPHAN_GRACE_S, _Child, _Reaper, check_on_host
+from launcher.backends.process_specs import host_env
 from launcher.backends.slurm_parts import step_gpus_printed, step_number, step_part
 from launcher.backends.slurm_run import SlurmRun, live_jobs, wait_gone, wait_running
 from launcher.backends.slurm_specs import (SlurmPlan, allocation_view, lost_text, node_lost_at, part_of_step,
@@ -137,13 +138,11 @@ class SlurmBackend(Backend):
             view, nodes = allocation_view(view, job), job.nodes
         return plan_slurm(view, request_from(cfg, allocation=nodes)), None
 
-    @classmethod
-    def preflight(cls, plan: Plan) -> None:
+    def preflight(self, plan: Plan) -> None:
         for command in ("sbatch", "srun", "scontrol", "scancel"):
             commands.require(command)
 
-    @classmethod
-    def check_env(cls, cfg: RunConfig, plan: Plan, run_id: str, *, on_event: Event | None = None) -> dict[str, Any]:
+    def check_env(self, cfg: RunConfig, plan: Plan, run_id: str) -> dict[str, Any]:
         """Process steps run this Python from the shared venv: ask it here, as the process backend does. Docker
         steps run the image on each node's engine, which this host cannot ask before the start."""
         if cfg.slurm_runtime == "docker":
@@ -154,7 +153,7 @@ class SlurmBackend(Backend):
                                hint="add your code to the image as a package (`launcher build --with dist/<file>.whl`) "
                                     "and name it MODULE:Name, or use --slurm-runtime process (a shared venv)")
             return {}
-        return ProcessBackend.check_env(cfg, plan, run_id, on_event=on_event)
+        return check_on_host(cfg, self.on_event)
 
     # ------------------------------------------------------------------------------------------- start
     def _image(self) -> str:

@@ -288,8 +288,7 @@ class SwarmBackend(Backend):
         backend.with_packages = tuple(cfg.with_packages)
         return backend
 
-    @classmethod
-    def check_env(cls, cfg: RunConfig, plan: Plan, run_id: str, *, on_event: Event | None = None) -> dict[str, Any]:
+    def check_env(self, cfg: RunConfig, plan: Plan, run_id: str) -> dict[str, Any]:
         """``--env-dir`` is refused (a directory on this host is not on the other nodes); with the image on this
         engine, the env is made in a throw-away container of it, as for the Docker backend."""
         from launcher.backends import envcheck
@@ -301,17 +300,15 @@ class SwarmBackend(Backend):
             raise BadInput(f"{what}: the swarm backend cannot mount a directory of this host on other nodes",
                            hint="make it a package (`pip wheel --no-deps -w dist DIR`), add it to the image with "
                            "`launcher up --with dist/<file>.whl` and name it as MODULE:Name; or use --backend docker")
-        backend = cls.from_config(cfg, on_event=on_event)
-        image = backend._image(plan)
-        engine = Engine()
-        try:
-            if not image_exists(image, engine.client):
-                return {}  # start() says the image is missing, or the nodes pull it
-            uid, gid = container_user()
-            probe = envcheck.probe_in_image(engine, image, cfg, {RUN_LABEL: run_id, ROLE_LABEL: "envcheck"},
-                                            f"{uid}:{gid}")
-        finally:
-            engine.close()
+        image = self._image(plan)  # the derived image of --with is made here once; start uses the same
+        if self._engine is None:
+            self._engine = Engine()  # kept for the start (connect_swarm)
+        engine = self._engine
+        if not image_exists(image, engine.client):
+            return {}  # start() says the image is missing, or the nodes pull it
+        uid, gid = container_user()
+        probe = envcheck.probe_in_image(engine, image, cfg, {RUN_LABEL: run_id, ROLE_LABEL: "envcheck"},
+                                        f"{uid}:{gid}")
         if not probe.ok:
             raise envcheck.refusal(cfg, probe, containers=True)
         return probe.info
