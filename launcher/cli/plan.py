@@ -1,10 +1,10 @@
 """``launcher plan``: show the placement ``launcher up`` would use, and what its backend would start, without
 starting anything.
 
-Its options are ``up``'s own GPU and placement options (:data:`launcher.config.PLACEMENT_OPTIONS`, declared
-once in :data:`launcher.config.OPTIONS`), read through the same layers (``launcher.toml``, ``LAUNCHER_*``,
-flags) into the same :class:`~launcher.gpu.request.GpuRequest`, so the plan shown is the plan ``up`` makes;
-and the options that decide each part's command and environment (:data:`LAUNCH_OPTIONS`), from which the
+Its options are ``up``'s own (all but :data:`NOT_SHOWN`, declared once in :data:`launcher.config.OPTIONS`), read
+through the same layers (``launcher.toml``, ``LAUNCHER_*``, flags): the GPU and placement ones
+(:data:`launcher.config.PLACEMENT_OPTIONS`) into the same :class:`~launcher.gpu.request.GpuRequest`, so the
+plan shown is the plan ``up`` makes; from the rest, which decide each part's command and environment, the
 backend's one pure step (:meth:`launcher.backends.base.Backend.specs`, the one ``start`` uses) gives the
 ``launch`` section. The run has no id yet: :data:`PREVIEW_RUN_ID` stands for it.
 """
@@ -19,7 +19,7 @@ from typing import Any, Sequence
 from launcher import gpu
 from launcher.backends.base import PreparedRun
 from launcher.backends.specs import LaunchSpecs, format_specs
-from launcher.config import PLACEMENT_OPTIONS, RunConfig, gpu_request, load_config
+from launcher.config import RunConfig, gpu_request, load_config
 from launcher.gpu.nvml import GpuInfo
 from launcher.gpu.placement import Plan, PlanRequest
 from launcher.runs import RunDir
@@ -27,8 +27,9 @@ from launcher.schemas import PLAN_SCHEMA
 from launcher.units import format_size
 
 SCHEMA = PLAN_SCHEMA
-# The options beyond placement that decide what each part is started with (command, environment, mounts).
-LAUNCH_OPTIONS: tuple[str, ...] = ("backend", "results", "port", "image", "env", "algo", "model", "env-dir")
+# `up`'s options that change nothing `launcher plan` shows; every other one is plan's too (placement, and what
+# each part is started with: command, environment, mounts, the run's spec in a container's environment).
+NOT_SHOWN: tuple[str, ...] = ("detach", "progress", "progress-interval", "wait")
 PREVIEW_RUN_ID = "RUN-ID"  # stands for the id `launcher up` gives the run
 
 
@@ -120,5 +121,5 @@ def register(subparsers: Any) -> None:
         "options (flags, launcher.toml [up], LAUNCHER_*). On a machine with no usable GPU this is a CPU plan, "
         f"with the reason. The run's id is not known yet: {PREVIEW_RUN_ID} stands for it.",
     )
-    add_up_options(parser, only=(*PLACEMENT_OPTIONS, *LAUNCH_OPTIONS))
+    add_up_options(parser, exclude=NOT_SHOWN)
     parser.set_defaults(func=run)
