@@ -36,9 +36,10 @@ from typing import Any, Callable
 from launcher.backends.base import Backend, BackendStatus, Event, Part, PreparedRun, event_lines
 from launcher.backends.containers import container_user, give_to, network_name
 from launcher.backends.swarm_run import SwarmRun, lost_node, teardown
-from launcher.backends.swarm_specs import (START_TIMEOUT_S, Placement, swarm_labels, gpu_shortfall,
-                                           group_placement, master_placement, secret_name, service_specs, service_state,
-                                           start_problem, volume_name)
+from launcher.backends.specs import LaunchSpecs
+from launcher.backends.swarm_specs import (START_TIMEOUT_S, Placement, assumed_placement, swarm_labels, gpu_shortfall,
+                                           group_placement, launch_specs, master_placement, secret_name, service_specs,
+                                           service_state, start_problem, volume_name)
 from launcher.engine.client import Engine
 from launcher.engine.labels import ROLE_LABEL, RUN_LABEL
 from launcher.engine.swarm import PRE_RUNNING, STOP_GRACE_S, NodeInfo, SwarmEngine, TaskInfo, connect_swarm, latest
@@ -170,6 +171,16 @@ class SwarmBackend(Backend):
             self._seen[sid] = set()
         self.master_service = self.service_ids[master.name]
         self.group_services = {g.index: self.service_ids[s.name] for g, s in zip(run.plan.groups, groups)}
+
+    def specs(self, run: PreparedRun) -> LaunchSpecs:
+        """The run's services (:func:`service_specs`) before any node is asked: the master's placement as
+        ``--swarm-master`` implies it until the start resolves it over the nodes, the image as resolved so far."""
+        from launcher import image as image_mod
+
+        image = self._resolved or self.image or image_mod.default_tag(image_mod.flavour_for(bool(run.plan.gpu_uuids)))
+        master, groups = service_specs(run, image=image, placement=self.placement or assumed_placement(self.master_choice),
+                                       uid_gid=container_user())
+        return launch_specs(master, groups)
 
     def start(self, run: PreparedRun) -> None:
         self.create(run)
