@@ -6,8 +6,10 @@ the launcher, which then tears down in order. Each child also asks the kernel fo
 launcher dies (``PR_SET_PDEATHSIG``), and a tiny reaper (:mod:`launcher.reaper`) SIGKILLs any that still run
 :data:`ORPHAN_GRACE_S` later, so even a ``kill -9`` of the launcher leaves no orphans, stuck ones included.
 
-The run secret reaches each child through an inherited pipe (``LAUNCHER_SECRET_FILE=/dev/fd/N``), never its
-environment. Each child's log is opened without following links and rotated past :data:`LOG_CAP_BYTES`.
+What each child is started with (argv, environment) is :func:`launcher.backends.process_specs.process_specs`, the
+same step ``launcher plan --backend process`` shows. The run secret reaches each child through an inherited pipe
+(``LAUNCHER_SECRET_FILE=/dev/fd/N``), never its environment. Each child's log is opened without following links
+and rotated past :data:`LOG_CAP_BYTES`.
 
 The launcher binds the master's listening socket itself and hands it over (``pass_fds``): its port is
 known before the master has imported TensorFlow, so the groups start at the same time and dial at once.
