@@ -28,7 +28,6 @@ job with room (:func:`~launcher.backends.slurm_specs.restart_node`). Every Slurm
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import signal
@@ -40,14 +39,14 @@ from typing import Any, Callable
 
 from launcher import safefs
 from launcher.backends.base import Backend, BackendStatus, Event, Part, PreparedRun, event_lines
-from launcher.backends.containers import UNPRIVILEGED_UID_GID
 from launcher.backends.process import ORPHAN_GRACE_S, _Child, _Reaper, check_on_host
 from launcher.backends.process_specs import host_env
 from launcher.backends.slurm_parts import step_gpus_printed, step_number, step_part
 from launcher.backends.slurm_run import SlurmRun, live_jobs, wait_gone, wait_running
-from launcher.backends.slurm_specs import (SlurmPlan, allocation_view, lost_text, node_lost_at, part_of_step,
-                                           plan_slurm, request_from, restart_node, sbatch_args, slot_nodes, srun_args,
-                                           step_env, task_command)
+from launcher.backends.slurm_specs import (JOB_PLACEHOLDER, MASTER_NODE_PLACEHOLDER, SlurmPlan, allocation_view,
+                                           lost_text, node_lost_at, part_of_step, plan_slurm, request_from,
+                                           restart_node, sbatch_args, slot_nodes, step_command, step_specs)
+from launcher.backends.specs import LaunchSpecs
 from launcher.config import RunConfig
 from launcher.errors import BadInput, LauncherError
 from launcher.gpu.placement import Plan
@@ -110,7 +109,6 @@ class SlurmBackend(Backend):
         self._log_offset: dict[str, int] = {}
         self.job_nodes: tuple[str, ...] = ()
         self._node_info: dict[str, NodeInfo] = {}
-        self._spec_env: dict[str, dict[str, str]] = {}
         self._watched_at = float("-inf")
         self._unreachable_since: float | None = None
         self._reaper: _Reaper | None = None
@@ -156,11 +154,20 @@ class SlurmBackend(Backend):
         return check_on_host(cfg, self.on_event)
 
     # ------------------------------------------------------------------------------------------- start
-    def _image(self) -> str:
+    def _image(self, plan: Plan) -> str:  # the docker runtime's: --image, or this version's CPU or GPU tag
         from launcher import image as image_mod
 
-        assert self.plan is not None
-        return self.image or image_mod.default_tag(image_mod.flavour_for(self.plan.kind == "gpu"))
+        return self.image or image_mod.default_tag(image_mod.flavour_for(plan.kind == "gpu"))
+
+    def specs(self, run: PreparedRun, *, job_id: str = JOB_PLACEHOLDER,
+              master_addr: str = MASTER_NODE_PLACEHOLDER) -> LaunchSpecs:
+        """Each step's ``srun`` line and environment (:func:`step_specs`); the job's id and the master's node stand
+        in until ``start`` knows them. A plan not made from Slurm's view (``launcher plan``) has no steps."""
+        if not isinstance(run.plan, SlurmPlan):
+            return LaunchSpecs(self.name, note="the steps come from a plan made from Slurm's view at the start "
+                                               "(`launcher up --backend slurm` records them in plan.json)")
+        return step_specs(run, run.plan, job_id=job_id, nodes=self.nodes, master_addr=master_addr,
+                          runtime=self.runtime, python=self.python, image=self._image(run.plan))
 
     def start(self, run: PreparedRun) -> None:
         if not isinstance(run.plan, SlurmPlan):
@@ -190,17 +197,13 @@ class SlurmBackend(Backend):
         self._node_info = {n.name: n for n in commands.cluster().nodes}
         master_node = self.nodes["master"]
         addr = self._address(master_node)
-        # The spec as the steps see it: the master on its node's address, any free port; the groups read the port
-        # from master.addr, which a resumed run's earlier master left behind.
-        spec = dataclasses.replace(run.spec, master_host=addr, master_port=0, connect_host=addr)
-        run.run_dir.files.master_addr.unlink(missing_ok=True)
+        run.run_dir.files.master_addr.unlink(missing_ok=True)  # a resumed run's earlier master left it behind
         base = host_env(user_code(run.config))
-        for step in self.plan.steps:
-            self._spec_env[step.name] = step_env(base, step, spec)
-            log_name = MASTER_LOG if step.name == "master" else group_log_name(step.name.partition("-")[2])
-            child = _Child(step.name, self._argv(step.name, self.nodes[step.name]), self._spec_env[step.name],
-                           logs / log_name, secret=run.secret, secret_on_stdin=True)
-            self.children[step.name] = child
+        for part in self.specs(run, job_id=self.job_id, master_addr=addr).parts:
+            log_name = MASTER_LOG if part.name == "master" else group_log_name(part.name.partition("-")[2])
+            child = _Child(part.name, list(part.command), {**base, **part.env}, logs / log_name, secret=run.secret,
+                           secret_on_stdin=True)
+            self.children[part.name] = child
             self._start_child(child)
         self.progress(f"slurm: job {self.job_id} runs on {', '.join(job.nodes)}; master on {master_node} ({addr}), "
                       + ", ".join(f"{s.name} on {self.nodes[s.name]}" for s in self.plan.steps if s.name != "master"))
@@ -217,11 +220,9 @@ class SlurmBackend(Backend):
 
     def _argv(self, name: str, node: str | None) -> list[str]:
         assert self.plan is not None and self.run is not None and self.job_id is not None
-        step = self.plan.step(name)
-        return [*srun_args(self.job_id, step, node, run_id=self.run.run_id),
-                *task_command(step, run_id=self.run.run_id, runtime=self.runtime, python=self.python,
-                              results_dir=str(self.run.results_dir.resolve()), image=self._image(),
-                              unprivileged=UNPRIVILEGED_UID_GID)]
+        return step_command(self.plan.step(name), job_id=self.job_id, node=node, run_id=self.run.run_id,
+                            runtime=self.runtime, python=self.python, results_dir=str(self.run.results_dir.resolve()),
+                            image=self._image(self.plan))
 
     def _start_child(self, child: _Child) -> None:
         self._log_offset[child.name] = os.fstat(child.open_log()).st_size  # where this start's output begins

@@ -81,3 +81,35 @@ def test_swarm_specs_are_the_services_start_creates(tmp_path: Path) -> None:
         assert part.command == svc.args and dict(part.env) == dict(svc.env)
     assert specs.part("master").mounts[0].source.startswith("volume:") and specs.note
     assert run.secret not in repr(specs.to_dict())
+
+
+def test_slurm_specs_are_the_steps_start_runs(tmp_path: Path) -> None:
+    import dataclasses
+
+    from launcher.backends.slurm import SlurmBackend
+    from launcher.backends.slurm_specs import SlurmRequest, plan_slurm, srun_args, step_env
+    from tests.unit.host.test_slurm_plan import _view
+
+    plan = plan_slurm(_view(), SlurmRequest(workers=4, gpus=False, groups=2, nodes=2))
+    cfg = RunConfig(workers=4, results=tmp_path, max_steps=10_000)
+    run_dir = create_run_dir(tmp_path, "slurm-run")
+    run = PreparedRun(config=cfg, plan=plan, spec=build_spec(cfg, plan, "slurm-run", run_dir.path), run_dir=run_dir,
+                      secret=new_secret())
+    backend = SlurmBackend(runtime="process", python="/venv/bin/python")
+    before = backend.specs(run)  # before the start: the job and the master's node stand in
+    assert [p.name for p in before.parts] == [s.name for s in plan.steps] and "JOB-ID" in before.note
+    assert all(p.command[:2] == ("srun", "--jobid=JOB-ID") for p in before.parts)
+    assert '"master_host": "MASTER-NODE"' in before.part("master").env["LAUNCHER_SPEC"]
+    # What start runs, with the job's id, nodes and the master's address: the same srun lines and the environment
+    # step_env gives over the launcher's own.
+    backend.nodes = {"master": "node1", "group-0": "node2", "group-1": "node2"}
+    started = backend.specs(run, job_id="12", master_addr="10.0.0.1")
+    spec = dataclasses.replace(run.spec, master_host="10.0.0.1", master_port=0, connect_host="10.0.0.1")
+    base = {"PATH": "/bin", "HOME": "/home/me"}
+    for step in plan.steps:
+        part = started.part(step.name)
+        srun = srun_args("12", step, backend.nodes[step.name], run_id="slurm-run")
+        assert list(part.command[:len(srun)]) == srun
+        assert {**base, **part.env} == step_env(base, step, spec)
+        assert part.gpu_env == {"CUDA_VISIBLE_DEVICES": "", "NVIDIA_VISIBLE_DEVICES": "void"}
+    assert run.secret not in repr(started.to_dict())
