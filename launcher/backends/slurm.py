@@ -45,7 +45,7 @@ from launcher.backends.slurm_parts import step_gpus_printed, step_number, step_p
 from launcher.backends.slurm_run import SlurmRun, live_jobs, wait_gone, wait_running
 from launcher.backends.slurm_specs import (JOB_PLACEHOLDER, MASTER_NODE_PLACEHOLDER, SlurmPlan, allocation_view,
                                            lost_text, node_lost_at, part_of_step, plan_slurm, request_from,
-                                           restart_node, sbatch_args, slot_nodes, step_command, step_specs)
+                                           restart_node, sbatch_args, slot_nodes, step_specs)
 from launcher.backends.specs import LaunchSpecs
 from launcher.config import RunConfig
 from launcher.errors import BadInput, LauncherError
@@ -154,20 +154,18 @@ class SlurmBackend(Backend):
         return check_on_host(cfg, self.on_event)
 
     # ------------------------------------------------------------------------------------------- start
-    def _image(self, plan: Plan) -> str:  # the docker runtime's: --image, or this version's CPU or GPU tag
-        from launcher import image as image_mod
-
-        return self.image or image_mod.default_tag(image_mod.flavour_for(plan.kind == "gpu"))
-
     def specs(self, run: PreparedRun, *, job_id: str = JOB_PLACEHOLDER,
               master_addr: str = MASTER_NODE_PLACEHOLDER) -> LaunchSpecs:
-        """Each step's ``srun`` line and environment (:func:`step_specs`); the job's id and the master's node stand
-        in until ``start`` knows them. A plan not made from Slurm's view (``launcher plan``) has no steps."""
+        """Each step's ``srun`` line and environment (:func:`step_specs`; the docker runtime's image: ``--image`` or
+        this version's CPU or GPU tag); the job's id and the master's node stand in until ``start`` knows them. A
+        plan not made from Slurm's view (``launcher plan``) has no steps."""
+        from launcher import image as image_mod
+
         if not isinstance(run.plan, SlurmPlan):
-            return LaunchSpecs(self.name, note="the steps come from a plan made from Slurm's view at the start "
-                                               "(`launcher up --backend slurm` records them in plan.json)")
+            return LaunchSpecs(self.name, note="the steps come from the plan Slurm's view gives at the start")
+        image = self.image or image_mod.default_tag(image_mod.flavour_for(run.plan.kind == "gpu"))
         return step_specs(run, run.plan, job_id=job_id, nodes=self.nodes, master_addr=master_addr,
-                          runtime=self.runtime, python=self.python, image=self._image(run.plan))
+                          runtime=self.runtime, python=self.python, image=image)
 
     def start(self, run: PreparedRun) -> None:
         if not isinstance(run.plan, SlurmPlan):
@@ -218,11 +216,9 @@ class SlurmBackend(Backend):
         except OSError:
             return addr
 
-    def _argv(self, name: str, node: str | None) -> list[str]:
-        assert self.plan is not None and self.run is not None and self.job_id is not None
-        return step_command(self.plan.step(name), job_id=self.job_id, node=node, run_id=self.run.run_id,
-                            runtime=self.runtime, python=self.python, results_dir=str(self.run.results_dir.resolve()),
-                            image=self._image(self.plan))
+    def _argv(self, name: str) -> list[str]:  # its node: self.nodes[name] ("": any node of the job with room)
+        assert self.run is not None and self.job_id is not None
+        return list(self.specs(self.run, job_id=self.job_id).part(name).command)
 
     def _start_child(self, child: _Child) -> None:
         self._log_offset[child.name] = os.fstat(child.open_log()).st_size  # where this start's output begins
@@ -369,7 +365,7 @@ class SlurmBackend(Backend):
             self.was_lost[name] = self.lost_parts.pop(name)
         self.nodes[name] = node or ""
         child = self.children[name]
-        child.argv = self._argv(name, node)
+        child.argv = self._argv(name)
         child.restarts += 1
         os.write(child.open_log(), f"--- launcher: starting {name} again on {node or 'any node with room'} "
                                    f"(restart {child.restarts}) ---\n".encode())

@@ -113,3 +113,7 @@ def test_slurm_specs_are_the_steps_start_runs(tmp_path: Path) -> None:
         assert {**base, **part.env} == step_env(base, step, spec)
         assert part.gpu_env == {"CUDA_VISIBLE_DEVICES": "", "NVIDIA_VISIBLE_DEVICES": "void"}
     assert run.secret not in repr(started.to_dict())
+    backend.run, backend.job_id = run, "12"  # a restart's srun line is the spec's too, on the node it is given
+    backend.nodes["group-1"] = "node1"
+    assert backend._argv("group-1") == list(backend.specs(run, job_id="12").part("group-1").command)
+    assert "--nodelist=node1" in backend._argv("group-1")
