@@ -11,11 +11,12 @@ import shutil
 import time
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 from launcher import config as config_mod
 from launcher.backends import backend_class
 from launcher.backends.base import Backend, PreparedRun, host_plan
+from launcher.backends.specs import LaunchSpecs
 from launcher.config import RunConfig
 from launcher.errors import BadInput, ExitCode, LauncherError
 from launcher.gpu.placement import Plan
@@ -24,6 +25,7 @@ from launcher.supervisor import RunResult, RunState, StopSignal, supervise
 from launcher.usercode import user_code
 from launcher.procs import launcher_record
 from launcher.safefs import read_json_at
+from launcher.schemas import PLAN_SCHEMA
 from worker.results import atomic_write_json, atomic_write_text
 from worker.contract import GroupAssignment, RunSpec
 
@@ -47,8 +49,10 @@ def choose_backend(name: str) -> tuple[str, str]:
 def make_backend(name: str, cfg: RunConfig, *,
                  on_event: Callable[[str, dict[str, Any]], None] | None = None) -> Backend:
     """The backend called ``name``; ``on_event`` receives what it reports (e.g. an image build before the
-    start)."""
-    return backend_class(name).from_config(cfg, on_event=on_event)
+    start). One per run: :func:`prepare` makes it and everything after uses it."""
+    backend = backend_class(name).from_config(cfg, on_event=on_event)
+    backend.on_event = on_event
+    return backend
 
 
 def build_spec(cfg: RunConfig, plan: Plan, run_id: str, results_dir: Path) -> RunSpec:
@@ -66,10 +70,19 @@ def build_spec(cfg: RunConfig, plan: Plan, run_id: str, results_dir: Path) -> Ru
 make_plan = host_plan  # `launcher up`'s planning step on this host (the backends' default make_plan), by its old name
 
 
+class Prepared(NamedTuple):
+    """A prepared run and the one backend object that checked it and will start and supervise it."""
+
+    run: PreparedRun
+    backend: Backend
+    why: str  # why this backend (``--backend docker``, ``auto: ...``)
+
+
 def prepare(cfg: RunConfig, stack: ExitStack, *, report: Callable[[str], None] | None = None,
-            on_event: Callable[[str, dict[str, Any]], None] | None = None) -> tuple[PreparedRun, str]:
-    """Validate, plan, reserve, check that the env can be made where the groups will run, and write the run's
-    files. Returns (run, backend name). ``on_event`` hears of an image build the env check needs first."""
+            on_event: Callable[[str, dict[str, Any]], None] | None = None) -> Prepared:
+    """Validate, make the run's backend, plan, reserve, check that the env can be made where the groups will run,
+    and write the run's files (``plan.json`` with what the backend will start: :meth:`Backend.specs`). Returns the
+    run with its backend. ``on_event`` hears of an image build the env check needs first."""
     config_mod.check(cfg)
     backend_name, why = choose_backend(cfg.backend)
     chosen = backend_class(backend_name)
@@ -83,20 +96,23 @@ def prepare(cfg: RunConfig, stack: ExitStack, *, report: Callable[[str], None] |
     else:
         run_id = new_run_id(cfg.env_id, cfg.algo)
         run_dir = None
-    plan, reservation = chosen.make_plan(cfg, run_id, report=report)  # report: --wait's queue lines
+    backend = make_backend(backend_name, cfg, on_event=on_event)
+    plan, reservation = backend.make_plan(cfg, run_id, report=report)  # report: --wait's queue lines
     if reservation is not None:
         stack.callback(reservation.release)
-    preflight(backend_name, plan)
+    backend.preflight(plan)
     # Where the groups will run (this Python, or the run's image), before any of the run's files or containers.
-    backend_class(backend_name).check_env(cfg, plan, run_id, on_event=on_event)
+    backend.check_env(cfg, plan, run_id)
     created = run_dir is None
     if run_dir is None:
         run_dir = create_run_dir(cfg.results, run_id)
         stack.callback(os.close, claim_live(run_dir))
     spec = build_spec(cfg, plan, run_id, run_dir.path)
+    secret = new_secret()
+    run = PreparedRun(config=cfg, plan=plan, spec=spec, run_dir=run_dir, secret=secret, reservation=reservation)
     files = run_dir.files
     config_doc = {"schema": "launcher.config/v1", **cfg.to_dict(), "backend_chosen": backend_name, "backend_reason": why}
-    plan_doc = {"schema": "launcher.plan/v1", **plan.to_dict()}
+    plan_doc = plan_record(plan, backend.specs(run))
     try:
         run_dir.make_host()  # a legacy run being resumed gets its records now, from this launcher's values only
         # The launcher's records, where no container of the run can write; then copies in the results for the
@@ -120,8 +136,12 @@ def prepare(cfg: RunConfig, stack: ExitStack, *, report: Callable[[str], None] |
             shutil.rmtree(run_dir.host, ignore_errors=True)
         raise BadInput(f"cannot write the run's files in {run_dir.path}: {exc.strerror or exc}",
                        hint="free space on that file system, or choose another --results root") from None
-    return PreparedRun(config=cfg, plan=plan, spec=spec, run_dir=run_dir, secret=new_secret(),
-                       reservation=reservation), why
+    return Prepared(run, backend, why)
+
+
+def plan_record(plan: Plan, specs: LaunchSpecs) -> dict[str, Any]:
+    """``plan.json`` (schema launcher.plan/v1): the placement and what the backend starts (``launch``)."""
+    return {"schema": PLAN_SCHEMA, **plan.to_dict(), "launch": specs.to_dict()}
 
 
 def hparam_help(cfg: RunConfig) -> str:
@@ -139,11 +159,6 @@ def hparam_help(cfg: RunConfig) -> str:
     algo = probe.algo
     return help_text(f"{cfg.algo} ({algo.get('class')})", algo.get("docs") or {}, algo.get("hparams") or {},
                      cfg.env_id)
-
-
-def preflight(backend_name: str, plan: Plan) -> None:
-    """What the backend needs that can be checked before anything is written (see ``Backend.preflight``)."""
-    backend_class(backend_name).preflight(plan)
 
 
 def resume_config(cfg_flags: dict[str, Any], results: Path, run: str) -> RunConfig:
@@ -180,13 +195,12 @@ def up(cfg: RunConfig, *, on_event: Callable[[str, dict[str, Any]], None] | None
         stopper = stop_signal or StopSignal()
         stopper.install()  # a Ctrl-C during planning still tears down cleanly
         stack.callback(stopper.restore)
-        run, why = prepare(cfg, stack, report=(lambda line: on_event("event", {"message": line})) if on_event else None,
-                           on_event=on_event)
+        run, backend, why = prepare(cfg, stack, on_event=on_event,
+                                    report=(lambda line: on_event("event", {"message": line})) if on_event else None)
         if on_event:
             on_event("event", {"message": why})
             on_event("event", {"message": "; ".join(run.plan.reasons)})
             on_event("prepared", {"run_id": run.run_id, "results": str(run.results_dir), "plan": run.plan})
-        backend = make_backend(run.run_dir.read_record().get("backend", "process"), cfg, on_event=on_event)
         if cfg.detach:
             return start_detached(run, backend)
         return supervise(run, backend, on_event=on_event, stop_signal=stopper)

@@ -5,18 +5,22 @@ interface, :class:`launcher.backends.base.Backend`: the supervisor (:mod:`launch
 them the same way, and ``status``/``logs``/``down`` (:mod:`launcher.lifecycle`) reach a run through the
 :class:`~launcher.backends.base.FoundRun` its backend gives.
 
-This module is the one table of backends by name (``run.json`` records the name).
+This module is the one table of backends by name (``run.json`` records the name); ``--backend``'s choices
+(:data:`launcher.config.BACKENDS`) are derived from it. It imports nothing of the backends at load (the config
+package reads the table, and the backends' base reads the config).
 """
 
 from __future__ import annotations
 
 import importlib
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from launcher.backends.base import Backend, FoundRun, NoParts
 from launcher.errors import BadInput
-from launcher.runs import RunDir
+
+if TYPE_CHECKING:
+    from launcher.backends.base import Backend, FoundRun
+    from launcher.runs import RunDir
 
 # name -> (module, class); imported on first use (the Docker SDK stays out of `launcher --help`).
 BACKENDS: dict[str, tuple[str, str]] = {
@@ -47,6 +51,8 @@ def backend_class(name: str) -> type[Backend]:
 def find(run_id: str, run_dir: RunDir | None, record: dict[str, Any]) -> FoundRun:
     """The run as the backend its record names left it; with no results directory, whichever backend's
     labels name it (None of them: a FoundRun with no parts)."""
+    from launcher.backends.base import NoParts
+
     name = record.get("backend")
     if isinstance(name, str) and name in BACKENDS:
         return backend_class(name).find(run_id, run_dir, record)

@@ -24,6 +24,7 @@ from typing import Any, ClassVar
 from launcher.config import RunConfig, gpu_request
 
 Event = Callable[[str, dict[str, Any]], None]  # (kind, data), the supervisor's event vocabulary
+from launcher.backends.specs import LaunchSpecs
 from launcher.gpu.placement import Plan
 from launcher.runs import RunDir
 from worker.contract import RunSpec
@@ -251,6 +252,7 @@ class Backend(abc.ABC):
     """
 
     name: ClassVar[str] = "?"
+    on_event: Event | None = None  # what it reports before and after the start (set by from_config's caller)
     restart_grace_s: ClassVar[float] = 0.0
     outlives_launcher: ClassVar[bool] = False
     recovers_master: ClassVar[bool] = False
@@ -265,9 +267,17 @@ class Backend(abc.ABC):
     def stop_requested(self) -> bool:
         return self._stop_check is not None and self._stop_check()
 
+    def specs(self, run: PreparedRun) -> LaunchSpecs:
+        """What :meth:`start` starts for each part of ``run``: command, environment, mounts, GPUs
+        (:mod:`launcher.backends.specs`). Pure: asks no engine or scheduler; ``launcher plan --backend X`` prints
+        it and ``plan.json`` records it. A backend whose system decides the parts' nodes and GPUs at the start
+        says so in the note."""
+        return LaunchSpecs(self.name, note=f"the {self.name} backend decides its parts at the start")
+
     @abc.abstractmethod
     def start(self, run: PreparedRun) -> None:
-        """Start the master and every worker group. Raise LauncherError subclasses on failure."""
+        """Start the master and every worker group, as :meth:`specs` says. Raise LauncherError subclasses on
+        failure."""
 
     @abc.abstractmethod
     def poll(self) -> BackendStatus:
@@ -303,7 +313,9 @@ class Backend(abc.ABC):
     @classmethod
     def from_config(cls, cfg: RunConfig, *, on_event: Event | None = None) -> "Backend":
         """The backend ``launcher up`` uses for ``cfg``; ``on_event`` receives what it reports before and
-        after the start (``event`` lines, ``build`` records of an image build), as the supervisor's events."""
+        after the start (``event`` lines, ``build`` records of an image build), as the supervisor's events.
+        ``launcher up`` makes one per run (:func:`launcher.up.prepare`) and uses it for the plan, the preflight,
+        the env check, the start and the supervision."""
         return cls()
 
     @classmethod
@@ -314,16 +326,14 @@ class Backend(abc.ABC):
         from the scheduler's view instead and takes no leases."""
         return host_plan(cfg, run_id, report=report)
 
-    @classmethod
-    def preflight(cls, plan: Plan) -> None:
+    def preflight(self, plan: Plan) -> None:
         """What can be checked before anything is written (an engine, its NVIDIA runtime); raises
         MissingDependency, so a run that could never start leaves no run directory behind."""
 
-    @classmethod
-    def check_env(cls, cfg: RunConfig, plan: Plan, run_id: str, *, on_event: Event | None = None) -> dict[str, Any]:
+    def check_env(self, cfg: RunConfig, plan: Plan, run_id: str) -> dict[str, Any]:
         """Make the run's env once where its worker groups will run (:mod:`launcher.backends.envcheck`), before
         anything of the run exists; returns its description (spaces). A container backend makes sure of its
-        image first (a build, reported through ``on_event``).
+        image first (a build, reported through :attr:`on_event`), and keeps it for the start.
 
         Raises:
             MissingDependency: the env's package or module is not there (exit 6).

@@ -44,25 +44,26 @@ WORKER_BASE_ENV = {"PYTHONUNBUFFERED": "1", "TF_CPP_MIN_LOG_LEVEL": "2", "TF_ENA
 class Kind(str, enum.Enum):
     """How a backend hands GPUs to a process."""
 
-    PROCESS = "process"  # CUDA_VISIBLE_DEVICES by UUID; the host's devices are all there
+    PROCESS = "process"  # CUDA_VISIBLE_DEVICES (and, alike, NVIDIA_VISIBLE_DEVICES) by UUID; the host's devices are all there
     DOCKER = "docker"  # the NVIDIA runtime mounts the UUIDs in NVIDIA_VISIBLE_DEVICES
     SWARM = "swarm"  # the engine picks GPUs on the node it chooses; nothing is pinned by UUID
     SLURM = "slurm"  # Slurm sets each step's CUDA_VISIBLE_DEVICES from the GRES it allocated
 
 
 def device_env(kind: Kind, gpu_uuids: tuple[str, ...]) -> dict[str, str]:
-    """The device variables of a process given ``gpu_uuids`` (empty: CPU only, every GPU hidden)."""
+    """The device variables of a process given ``gpu_uuids`` (empty: CPU only, every GPU hidden).
+
+    A process and a container get the same two variables (CUDA reads ``CUDA_VISIBLE_DEVICES``, the NVIDIA
+    runtime ``NVIDIA_VISIBLE_DEVICES``), so a process never inherits a GPU list of the launcher's own environment
+    (an ``NVIDIA_VISIBLE_DEVICES=all`` of a GPU image) that the plan does not give it."""
     joined = ",".join(gpu_uuids)
     if kind is Kind.SLURM:  # a step without GPUs is hidden from them by launcher.backends.slurm_specs.step_env
         return {}
     if not gpu_uuids:
         # "void": the NVIDIA runtime, if the engine has one, mounts no GPU at all (not even the default "all").
-        return {"CUDA_VISIBLE_DEVICES": ""} if kind is Kind.PROCESS else \
-            {"NVIDIA_VISIBLE_DEVICES": "void", "CUDA_VISIBLE_DEVICES": ""}
+        return {"NVIDIA_VISIBLE_DEVICES": "void", "CUDA_VISIBLE_DEVICES": ""}
     order = {"CUDA_DEVICE_ORDER": "PCI_BUS_ID"}  # so indices, where anything uses them, match nvidia-smi
-    if kind is Kind.PROCESS:
-        return {"CUDA_VISIBLE_DEVICES": joined, **order}
-    if kind is Kind.DOCKER:
+    if kind in (Kind.PROCESS, Kind.DOCKER):
         return {"NVIDIA_VISIBLE_DEVICES": joined, "CUDA_VISIBLE_DEVICES": joined, **order}
     return dict(order)  # worker.gpu_setup.adopt_swarm_gpus sets CUDA_VISIBLE_DEVICES from what was assigned
 

@@ -34,6 +34,7 @@ from launcher.backends.base import Backend, BackendStatus, Event, PreparedRun
 from launcher.backends.containers import (MASTER_PORT, SECRET_MOUNT, Kind, container_user, give_to, group_limits,
                                           group_name, labels, master_limits, master_name, nano_cpus, network_name,
                                           secret_path, worker_env, write_secret_file)
+from launcher.backends.specs import LaunchSpecs, PartSpec, binds
 from launcher.backends.docker_run import DockerRun, container_part, container_state, teardown
 from launcher.engine.client import ContainerSpec, Engine, engine_unavailable_reason
 from launcher.engine.errors import ENGINE_RESTART_WINDOW_S, EngineUnreachable, outlast_outage
@@ -115,6 +116,16 @@ def container_specs(run: PreparedRun, *, image: str, gpu_runtime: bool, uid_gid:
             read_only_binds=secret_bind, memory_bytes=glim.memory_bytes, pids_limit=glim.pids,
         ))
     return master, groups
+
+
+def launch_specs(run: PreparedRun, master: ContainerSpec, groups: list[ContainerSpec]) -> LaunchSpecs:
+    """The containers :func:`container_specs` gives, as :class:`~launcher.backends.specs.LaunchSpecs`. Pure."""
+    def part(name: str, cs: ContainerSpec, share: Any) -> PartSpec:
+        return PartSpec(name, tuple(cs.command), dict(cs.environment), mounts=binds(cs.binds, cs.read_only_binds),
+                        gpu_uuids=tuple(share.gpu_uuids), cpus=share.cpus, image=cs.image)
+
+    return LaunchSpecs("docker", (part("master", master, run.plan.master),
+                                  *(part(f"group-{g.index}", cs, g.share) for g, cs in zip(run.plan.groups, groups))))
 
 
 def check_gpu_runtime(plan: Plan, runtimes: tuple[str, ...]) -> None:
@@ -230,6 +241,13 @@ class DockerBackend(Backend):
             self.ids[cs.name] = cid
             self.group_ids[g.index] = cid
 
+    def specs(self, run: PreparedRun) -> LaunchSpecs:
+        """The run's containers (:func:`container_specs`) before any engine is asked: the image as resolved so
+        far (``--image`` or the default tag until :meth:`resolve_image` made sure of it)."""
+        master, groups = container_specs(run, image=self._image(run.plan), gpu_runtime=True,
+                                         publish_port=self.publish_port)
+        return launch_specs(run, master, groups)
+
     def start(self, run: PreparedRun) -> None:
         self.create(run)
         assert self.master_id is not None
@@ -318,30 +336,22 @@ class DockerBackend(Backend):
         return cls(image=cfg.image, build=cfg.build, progress=lambda line: on_event("event", {"message": line}),
                    on_build=lambda st: on_event("build", st.to_dict()), with_packages=cfg.with_packages)
 
-    @classmethod
-    def check_env(cls, cfg: RunConfig, plan: Plan, run_id: str, *, on_event: Event | None = None) -> dict[str, Any]:
-        """Make sure of the run's image (built when missing), then make the env in a throw-away container of it
-        with the run's user, ``--env-dir`` mount and labels, and no network."""
-        backend = cls.from_config(cfg, on_event=on_event)
-        try:
-            image = backend.resolve_image(plan)
-            uid, gid = container_user()
-            probe = envcheck.probe_in_image(backend.engine, image, cfg,
-                                            labels(run_id, cfg.results / run_id, "envcheck", uid=uid), f"{uid}:{gid}")
-        finally:
-            backend.engine.close()
+    def check_env(self, cfg: RunConfig, plan: Plan, run_id: str) -> dict[str, Any]:
+        """Make sure of the run's image (built when missing; the start uses the same one), then make the env in a
+        throw-away container of it with the run's user, ``--env-dir`` mount and labels, and no network."""
+        image = self.resolve_image(plan)
+        uid, gid = container_user()
+        probe = envcheck.probe_in_image(self.engine, image, cfg,
+                                        labels(run_id, cfg.results / run_id, "envcheck", uid=uid), f"{uid}:{gid}")
         if not probe.ok:
             raise envcheck.refusal(cfg, probe, containers=True)
         return probe.info
 
-    @classmethod
-    def preflight(cls, plan: Plan) -> None:
+    def preflight(self, plan: Plan) -> None:
         """An engine that answers and, for a plan on GPUs, its NVIDIA runtime (like ``docker info``)."""
-        engine = Engine()
-        try:
-            check_gpu_runtime(plan, engine.runtimes())
-        finally:
-            engine.close()
+        runtimes = self.engine.runtimes()
+        if self.gpu_runtime is None:
+            check_gpu_runtime(plan, runtimes)
 
     @classmethod
     def find(cls, run_id: str, run_dir: RunDir | None, record: dict[str, Any]) -> "DockerRun":

@@ -6,8 +6,10 @@ the launcher, which then tears down in order. Each child also asks the kernel fo
 launcher dies (``PR_SET_PDEATHSIG``), and a tiny reaper (:mod:`launcher.reaper`) SIGKILLs any that still run
 :data:`ORPHAN_GRACE_S` later, so even a ``kill -9`` of the launcher leaves no orphans, stuck ones included.
 
-The run secret reaches each child through an inherited pipe (``LAUNCHER_SECRET_FILE=/dev/fd/N``), never its
-environment. Each child's log is opened without following links and rotated past :data:`LOG_CAP_BYTES`.
+What each child is started with (argv, environment) is :func:`launcher.backends.process_specs.process_specs`, the
+same step ``launcher plan --backend process`` shows. The run secret reaches each child through an inherited pipe
+(``LAUNCHER_SECRET_FILE=/dev/fd/N``), never its environment. Each child's log is opened without following links
+and rotated past :data:`LOG_CAP_BYTES`.
 
 The launcher binds the master's listening socket itself and hands it over (``pass_fds``): its port is
 known before the master has imported TensorFlow, so the groups start at the same time and dial at once.
@@ -29,15 +31,16 @@ from typing import Any
 
 from launcher import safefs
 from launcher.backends import envcheck
-from launcher.backends.base import Backend, BackendStatus, DownReport, Event, FoundRun, Part, PartState, PreparedRun
-from launcher.backends.containers import Kind, worker_env
+from launcher.backends.base import (Backend, BackendStatus, DownReport, Event, FoundRun, Part, PartState, PreparedRun,
+                                    name_order)
+from launcher.backends.process_specs import inherited_env, process_specs
+from launcher.backends.specs import LaunchSpecs, PartSpec
 from launcher.config import RunConfig
 from launcher.errors import BadInput
 from launcher.gpu.placement import Plan
 from launcher.procs import belongs, identity, launcher_record, send_signal, wait_gone
 from launcher.safefs import distrust
 from launcher.runs import RunDir, list_runs
-from launcher.usercode import UserCode, user_code
 from worker.contract import LISTEN_FD_ENV, MASTER_LOG, SECRET_FILE_ENV, group_log_name
 
 log = logging.getLogger(__name__)
@@ -54,16 +57,16 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
         pass
 
 
-def host_env(code: UserCode) -> dict[str, str]:
-    """What a run's processes started from this launcher get of its environment: everything but its own
-    ``LAUNCHER_*`` settings (the secret goes in a pipe), with the run's code directories (``--env-dir``, the
-    directories of ``--algo``/``--model`` files) first on ``PYTHONPATH``. (Slurm's steps get it too, through
-    ``srun --export=ALL``.)"""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LAUNCHER_")}
-    path = envcheck.pythonpath(code, env.get("PYTHONPATH"))
-    if path:
-        env["PYTHONPATH"] = path
-    return env
+def check_on_host(cfg: RunConfig, on_event: Event | None) -> dict[str, Any]:
+    """Make the env once with this interpreter, in a subprocess with the groups' PYTHONPATH (the process backend's
+    and Slurm's process steps' env check)."""
+    if cfg.with_packages and on_event is not None:
+        on_event("event", {"message": f"--with {' '.join(cfg.with_packages)} is for container images; the "
+                                      f"process backend runs this host's Python ({sys.executable})"})
+    probe = envcheck.probe_on_host(cfg, sys.executable)
+    if not probe.ok:
+        raise envcheck.refusal(cfg, probe, containers=False)
+    return probe.info
 
 
 class _Child:
@@ -218,19 +221,14 @@ class ProcessBackend(Backend):
         self.run: PreparedRun | None = None
         self._sock: socket.socket | None = None
 
-    def _env(self, run: PreparedRun) -> dict[str, str]:
-        return host_env(user_code(run.config))
+    def specs(self, run: PreparedRun, *, port: int | None = None) -> LaunchSpecs:
+        """Each part's argv and the environment set over this launcher's (:func:`process_specs`); ``start``
+        gives it the port it bound."""
+        return process_specs(run, python=self.python, environ=os.environ, port=port)
 
-    @classmethod
-    def check_env(cls, cfg: RunConfig, plan: Plan, run_id: str, *, on_event: Event | None = None) -> dict[str, Any]:
-        """The groups run this interpreter: ask it, in a subprocess with their PYTHONPATH."""
-        if cfg.with_packages and on_event is not None:
-            on_event("event", {"message": f"--with {' '.join(cfg.with_packages)} is for container images; the "
-                                          f"process backend runs this host's Python ({sys.executable})"})
-        probe = envcheck.probe_on_host(cfg, sys.executable)
-        if not probe.ok:
-            raise envcheck.refusal(cfg, probe, containers=False)
-        return probe.info
+    def check_env(self, cfg: RunConfig, plan: Plan, run_id: str) -> dict[str, Any]:
+        """The groups run this interpreter: ask it (:func:`check_on_host`)."""
+        return check_on_host(cfg, self.on_event)
 
     def _start_child(self, child: _Child) -> None:
         child.start()
@@ -250,25 +248,26 @@ class ProcessBackend(Backend):
                            hint="pick another --port, or 0 for any free port") from None
         self._sock = sock
         port = sock.getsockname()[1]
-        spec_path = run.run_dir.files.spec
         logs = run.run_dir.files.logs
         logs.mkdir(exist_ok=True)
-        base_env = self._env(run)
-        worker = [*envcheck.host_python(self.python, run.run_dir.path.parent, base_env), "-m", "worker"]
-        menv = {**base_env, **worker_env(Kind.PROCESS, run.plan.master, master_addr=None),
-                LISTEN_FD_ENV: str(sock.fileno())}
+        specs = self.specs(run, port=port)
+        inherited = inherited_env(os.environ)
+
+        def env_of(part: PartSpec, **at_start: str) -> dict[str, str]:
+            return {**inherited, **part.env, **at_start}
+
+        master = specs.part("master")
         # The master inherits the run's GPU leases too (launcher.gpu.handover): if the launcher is killed they
         # stay held while the master checkpoints and exits.
         leases = run.reservation.fds if run.reservation is not None else ()
-        self.master = _Child("master", [*worker, "master", "--spec", str(spec_path)], menv, logs / MASTER_LOG,
-                             pass_fds=(sock.fileno(), *leases), secret=run.secret)
+        self.master = _Child("master", list(master.command), env_of(master, **{LISTEN_FD_ENV: str(sock.fileno())}),
+                             logs / MASTER_LOG, pass_fds=(sock.fileno(), *leases), secret=run.secret)
         self._reaper = _Reaper(self.python, self.orphan_grace_s, self.master.open_log())
         self._start_child(self.master)
         for g in run.plan.groups:
-            genv = {**base_env,
-                    **worker_env(Kind.PROCESS, g.share, master_addr=f"{run.spec.connect_host}:{port}")}
-            child = _Child(f"group-{g.index}", [*worker, "group", "--index", str(g.index), "--spec", str(spec_path)],
-                           genv, logs / group_log_name(g.index), secret=run.secret)
+            part = specs.part(f"group-{g.index}")
+            child = _Child(part.name, list(part.command), env_of(part), logs / group_log_name(g.index),
+                           secret=run.secret)
             self._start_child(child)
             self.groups[g.index] = child
         # The launcher keeps its copy of the listening socket: a new master started in place of a dead one
@@ -410,7 +409,7 @@ class ProcessRun(FoundRun):
 
     def parts(self) -> list[Part]:
         parts = []
-        for name, pid in sorted(self._pids().items(), key=lambda kv: (kv[0] != "master", kv[0])):
+        for name, pid in sorted(self._pids().items(), key=lambda kv: name_order(kv[0])):
             alive = self._belongs(name, pid)
             parts.append(Part(name, PartState.RUNNING if alive else PartState.EXITED, ident=str(pid),
                               status="alive" if alive else "gone"))

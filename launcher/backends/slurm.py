@@ -28,7 +28,6 @@ job with room (:func:`~launcher.backends.slurm_specs.restart_node`). Every Slurm
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import signal
@@ -40,13 +39,14 @@ from typing import Any, Callable
 
 from launcher import safefs
 from launcher.backends.base import Backend, BackendStatus, Event, Part, PreparedRun, event_lines
-from launcher.backends.containers import UNPRIVILEGED_UID_GID
-from launcher.backends.process import ORPHAN_GRACE_S, ProcessBackend, _Child, _Reaper, host_env
+from launcher.backends.process import ORPHAN_GRACE_S, _Child, _Reaper, check_on_host
+from launcher.backends.process_specs import host_env
 from launcher.backends.slurm_parts import step_gpus_printed, step_number, step_part
 from launcher.backends.slurm_run import SlurmRun, live_jobs, wait_gone, wait_running
-from launcher.backends.slurm_specs import (SlurmPlan, allocation_view, lost_text, node_lost_at, part_of_step,
-                                           plan_slurm, request_from, restart_node, sbatch_args, slot_nodes, srun_args,
-                                           step_env, task_command)
+from launcher.backends.slurm_specs import (JOB_PLACEHOLDER, MASTER_NODE_PLACEHOLDER, SlurmPlan, allocation_view,
+                                           lost_text, node_lost_at, part_of_step, plan_slurm, request_from,
+                                           restart_node, sbatch_args, slot_nodes, step_specs)
+from launcher.backends.specs import LaunchSpecs
 from launcher.config import RunConfig
 from launcher.errors import BadInput, LauncherError
 from launcher.gpu.placement import Plan
@@ -109,7 +109,6 @@ class SlurmBackend(Backend):
         self._log_offset: dict[str, int] = {}
         self.job_nodes: tuple[str, ...] = ()
         self._node_info: dict[str, NodeInfo] = {}
-        self._spec_env: dict[str, dict[str, str]] = {}
         self._watched_at = float("-inf")
         self._unreachable_since: float | None = None
         self._reaper: _Reaper | None = None
@@ -137,13 +136,11 @@ class SlurmBackend(Backend):
             view, nodes = allocation_view(view, job), job.nodes
         return plan_slurm(view, request_from(cfg, allocation=nodes)), None
 
-    @classmethod
-    def preflight(cls, plan: Plan) -> None:
+    def preflight(self, plan: Plan) -> None:
         for command in ("sbatch", "srun", "scontrol", "scancel"):
             commands.require(command)
 
-    @classmethod
-    def check_env(cls, cfg: RunConfig, plan: Plan, run_id: str, *, on_event: Event | None = None) -> dict[str, Any]:
+    def check_env(self, cfg: RunConfig, plan: Plan, run_id: str) -> dict[str, Any]:
         """Process steps run this Python from the shared venv: ask it here, as the process backend does. Docker
         steps run the image on each node's engine, which this host cannot ask before the start."""
         if cfg.slurm_runtime == "docker":
@@ -154,14 +151,21 @@ class SlurmBackend(Backend):
                                hint="add your code to the image as a package (`launcher build --with dist/<file>.whl`) "
                                     "and name it MODULE:Name, or use --slurm-runtime process (a shared venv)")
             return {}
-        return ProcessBackend.check_env(cfg, plan, run_id, on_event=on_event)
+        return check_on_host(cfg, self.on_event)
 
     # ------------------------------------------------------------------------------------------- start
-    def _image(self) -> str:
+    def specs(self, run: PreparedRun, *, job_id: str = JOB_PLACEHOLDER,
+              master_addr: str = MASTER_NODE_PLACEHOLDER) -> LaunchSpecs:
+        """Each step's ``srun`` line and environment (:func:`step_specs`; the docker runtime's image: ``--image`` or
+        this version's CPU or GPU tag); the job's id and the master's node stand in until ``start`` knows them. A
+        plan not made from Slurm's view (``launcher plan``) has no steps."""
         from launcher import image as image_mod
 
-        assert self.plan is not None
-        return self.image or image_mod.default_tag(image_mod.flavour_for(self.plan.kind == "gpu"))
+        if not isinstance(run.plan, SlurmPlan):
+            return LaunchSpecs(self.name, note="the steps come from the plan Slurm's view gives at the start")
+        image = self.image or image_mod.default_tag(image_mod.flavour_for(run.plan.kind == "gpu"))
+        return step_specs(run, run.plan, job_id=job_id, nodes=self.nodes, master_addr=master_addr,
+                          runtime=self.runtime, python=self.python, image=image)
 
     def start(self, run: PreparedRun) -> None:
         if not isinstance(run.plan, SlurmPlan):
@@ -191,17 +195,13 @@ class SlurmBackend(Backend):
         self._node_info = {n.name: n for n in commands.cluster().nodes}
         master_node = self.nodes["master"]
         addr = self._address(master_node)
-        # The spec as the steps see it: the master on its node's address, any free port; the groups read the port
-        # from master.addr, which a resumed run's earlier master left behind.
-        spec = dataclasses.replace(run.spec, master_host=addr, master_port=0, connect_host=addr)
-        run.run_dir.files.master_addr.unlink(missing_ok=True)
+        run.run_dir.files.master_addr.unlink(missing_ok=True)  # a resumed run's earlier master left it behind
         base = host_env(user_code(run.config))
-        for step in self.plan.steps:
-            self._spec_env[step.name] = step_env(base, step, spec)
-            log_name = MASTER_LOG if step.name == "master" else group_log_name(step.name.partition("-")[2])
-            child = _Child(step.name, self._argv(step.name, self.nodes[step.name]), self._spec_env[step.name],
-                           logs / log_name, secret=run.secret, secret_on_stdin=True)
-            self.children[step.name] = child
+        for part in self.specs(run, job_id=self.job_id, master_addr=addr).parts:
+            log_name = MASTER_LOG if part.name == "master" else group_log_name(part.name.partition("-")[2])
+            child = _Child(part.name, list(part.command), {**base, **part.env}, logs / log_name, secret=run.secret,
+                           secret_on_stdin=True)
+            self.children[part.name] = child
             self._start_child(child)
         self.progress(f"slurm: job {self.job_id} runs on {', '.join(job.nodes)}; master on {master_node} ({addr}), "
                       + ", ".join(f"{s.name} on {self.nodes[s.name]}" for s in self.plan.steps if s.name != "master"))
@@ -216,13 +216,9 @@ class SlurmBackend(Backend):
         except OSError:
             return addr
 
-    def _argv(self, name: str, node: str | None) -> list[str]:
-        assert self.plan is not None and self.run is not None and self.job_id is not None
-        step = self.plan.step(name)
-        return [*srun_args(self.job_id, step, node, run_id=self.run.run_id),
-                *task_command(step, run_id=self.run.run_id, runtime=self.runtime, python=self.python,
-                              results_dir=str(self.run.results_dir.resolve()), image=self._image(),
-                              unprivileged=UNPRIVILEGED_UID_GID)]
+    def _argv(self, name: str) -> list[str]:  # its node: self.nodes[name] ("": any node of the job with room)
+        assert self.run is not None and self.job_id is not None
+        return list(self.specs(self.run, job_id=self.job_id).part(name).command)
 
     def _start_child(self, child: _Child) -> None:
         self._log_offset[child.name] = os.fstat(child.open_log()).st_size  # where this start's output begins
@@ -369,7 +365,7 @@ class SlurmBackend(Backend):
             self.was_lost[name] = self.lost_parts.pop(name)
         self.nodes[name] = node or ""
         child = self.children[name]
-        child.argv = self._argv(name, node)
+        child.argv = self._argv(name)
         child.restarts += 1
         os.write(child.open_log(), f"--- launcher: starting {name} again on {node or 'any node with room'} "
                                    f"(restart {child.restarts}) ---\n".encode())

@@ -22,8 +22,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from launcher.backends.base import Part, PartState
-from launcher.backends.containers import Kind, worker_env
+from launcher.backends.base import Part, PartState, PreparedRun
+from launcher.backends.containers import UNPRIVILEGED_UID_GID, Kind, worker_env
+from launcher.backends.specs import HOST_ENV, LaunchSpecs, PartSpec
 from launcher.config.options import SLURM_RUNTIMES
 from launcher.errors import BadInput, NoResources
 from launcher.gpu.placement import GroupPlan, Plan, ProcessShare, split_evenly
@@ -307,6 +308,37 @@ def step_env(base: Mapping[str, str], step: StepPlan, spec: RunSpec) -> dict[str
     if not step.gpus:  # Slurm sets CUDA_VISIBLE_DEVICES only for steps with GPUs
         env.update({"CUDA_VISIBLE_DEVICES": "", "NVIDIA_VISIBLE_DEVICES": "void"})
     return env
+
+
+JOB_PLACEHOLDER = "JOB-ID"  # before the start: stands for the job's id
+MASTER_NODE_PLACEHOLDER = "MASTER-NODE"  # before the start: stands for the master's node's address
+
+
+def step_command(step: StepPlan, *, job_id: str, node: str | None, run_id: str, runtime: str, python: str,
+                 results_dir: str, image: str) -> list[str]:
+    """The whole argv of ``step``'s ``srun`` (:func:`srun_args` then :func:`task_command`). Pure."""
+    return [*srun_args(job_id, step, node, run_id=run_id),
+            *task_command(step, run_id=run_id, runtime=runtime, python=python, results_dir=results_dir, image=image,
+                          unprivileged=UNPRIVILEGED_UID_GID)]
+
+
+def step_specs(run: PreparedRun, plan: SlurmPlan, *, job_id: str, nodes: Mapping[str, str], master_addr: str,
+               runtime: str, python: str, image: str) -> LaunchSpecs:
+    """Each step's ``srun`` argv and the environment the launcher sets over its own (``--export=ALL`` passes
+    both; :func:`step_env` over nothing). ``nodes``: part -> node (none: any node of the job with room). The spec
+    as the steps see it: the master on its node's address (``master_addr``), any free port; the groups read the
+    port from ``master.addr``. Pure."""
+    spec = dataclasses.replace(run.spec, master_host=master_addr, master_port=0, connect_host=master_addr)
+    results_dir = str(run.results_dir.resolve())
+    parts = tuple(PartSpec(s.name, tuple(step_command(s, job_id=job_id, node=nodes.get(s.name) or None,
+                                                      run_id=run.run_id, runtime=runtime, python=python,
+                                                      results_dir=results_dir, image=image)),
+                           step_env({}, s, spec), inherits=HOST_ENV, cpus=float(s.cpus)) for s in plan.steps)
+    note = "Slurm picks each step's GPUs (SLURM_STEP_GPUS, by count)"
+    if job_id == JOB_PLACEHOLDER:
+        note += (f" and the job's nodes at the start; {JOB_PLACEHOLDER} and {MASTER_NODE_PLACEHOLDER} stand for the "
+                 "job's id and the master's node")
+    return LaunchSpecs("slurm", parts, note=note)
 
 
 # ------------------------------------------------------------------------------------------- restarts

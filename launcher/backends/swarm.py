@@ -36,11 +36,12 @@ from typing import Any, Callable
 from launcher.backends.base import Backend, BackendStatus, Event, Part, PreparedRun, event_lines
 from launcher.backends.containers import container_user, give_to, network_name
 from launcher.backends.swarm_run import SwarmRun, lost_node, teardown
-from launcher.backends.swarm_specs import (START_TIMEOUT_S, Placement, swarm_labels, gpu_shortfall,
-                                           group_placement, master_placement, secret_name, service_specs, service_state,
-                                           start_problem, volume_name)
+from launcher.backends.specs import LaunchSpecs
+from launcher.backends.swarm_specs import (START_TIMEOUT_S, Placement, assumed_placement, swarm_labels, gpu_shortfall,
+                                           group_placement, launch_specs, master_placement, secret_name, service_specs,
+                                           service_state, start_problem, volume_name)
 from launcher.engine.client import Engine
-from launcher.engine.labels import RUN_LABEL
+from launcher.engine.labels import ROLE_LABEL, RUN_LABEL
 from launcher.engine.swarm import PRE_RUNNING, STOP_GRACE_S, NodeInfo, SwarmEngine, TaskInfo, connect_swarm, latest
 from launcher.config import RunConfig
 from launcher.errors import BadInput, LauncherError, MissingDependency, NoResources
@@ -171,6 +172,16 @@ class SwarmBackend(Backend):
         self.master_service = self.service_ids[master.name]
         self.group_services = {g.index: self.service_ids[s.name] for g, s in zip(run.plan.groups, groups)}
 
+    def specs(self, run: PreparedRun) -> LaunchSpecs:
+        """The run's services (:func:`service_specs`) before any node is asked: the master's placement as
+        ``--swarm-master`` implies it until the start resolves it over the nodes, the image as resolved so far."""
+        from launcher import image as image_mod
+
+        image = self._resolved or self.image or image_mod.default_tag(image_mod.flavour_for(bool(run.plan.gpu_uuids)))
+        master, groups = service_specs(run, image=image, placement=self.placement or assumed_placement(self.master_choice),
+                                       uid_gid=container_user())
+        return launch_specs(master, groups)
+
     def start(self, run: PreparedRun) -> None:
         self.create(run)
         self.wait_started()
@@ -288,8 +299,7 @@ class SwarmBackend(Backend):
         backend.with_packages = tuple(cfg.with_packages)
         return backend
 
-    @classmethod
-    def check_env(cls, cfg: RunConfig, plan: Plan, run_id: str, *, on_event: Event | None = None) -> dict[str, Any]:
+    def check_env(self, cfg: RunConfig, plan: Plan, run_id: str) -> dict[str, Any]:
         """``--env-dir`` is refused (a directory on this host is not on the other nodes); with the image on this
         engine, the env is made in a throw-away container of it, as for the Docker backend."""
         from launcher.backends import envcheck
@@ -301,17 +311,15 @@ class SwarmBackend(Backend):
             raise BadInput(f"{what}: the swarm backend cannot mount a directory of this host on other nodes",
                            hint="make it a package (`pip wheel --no-deps -w dist DIR`), add it to the image with "
                            "`launcher up --with dist/<file>.whl` and name it as MODULE:Name; or use --backend docker")
-        backend = cls.from_config(cfg, on_event=on_event)
-        image = backend._image(plan)
-        engine = Engine()
-        try:
-            if not image_exists(image, engine.client):
-                return {}  # start() says the image is missing, or the nodes pull it
-            uid, gid = container_user()
-            probe = envcheck.probe_in_image(engine, image, cfg, {RUN_LABEL: run_id, "launcher.role": "envcheck"},
-                                            f"{uid}:{gid}")
-        finally:
-            engine.close()
+        image = self._image(plan)  # the derived image of --with is made here once; start uses the same
+        if self._engine is None:
+            self._engine = Engine()  # kept for the start (connect_swarm)
+        engine = self._engine
+        if not image_exists(image, engine.client):
+            return {}  # start() says the image is missing, or the nodes pull it
+        uid, gid = container_user()
+        probe = envcheck.probe_in_image(engine, image, cfg, {RUN_LABEL: run_id, ROLE_LABEL: "envcheck"},
+                                        f"{uid}:{gid}")
         if not probe.ok:
             raise envcheck.refusal(cfg, probe, containers=True)
         return probe.info

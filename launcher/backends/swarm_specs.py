@@ -10,9 +10,11 @@ import dataclasses
 from dataclasses import dataclass
 
 from launcher.backends.base import PartState, PreparedRun
+from launcher.backends.specs import LaunchSpecs, Mount, PartSpec
 from launcher.config import SWARM_GROUPS
 from launcher.backends.containers import (MASTER_PORT, Kind, group_limits, group_name, labels, master_limits,
                                           master_name, nano_cpus, network_name, worker_env)
+from launcher.engine.labels import part_name
 from launcher.engine.swarm import (GPU_RESOURCE, PRE_RUNNING, SECRET_FILE, MountSpec, NodeInfo, ServiceSpec,
                                    TaskInfo, latest)
 from launcher.errors import BadInput, LauncherError, MissingDependency, NoResources, RunFailed
@@ -229,6 +231,25 @@ def service_specs(run: PreparedRun, *, image: str, placement: Placement, uid_gid
             restart_max=run.config.restart_budget, constraints=group_constraints, mounts=(MountSpec("tmpfs", "/tmp"),),
             memory_bytes=glim.memory_bytes, pids_limit=glim.pids))
     return master, groups
+
+
+def assumed_placement(choice: str) -> Placement:
+    """Where the master's results go for ``--swarm-master choice`` before the swarm's nodes are known (``launcher
+    plan``): ``any`` in a volume, else bound at the same path. No constraints: the nodes decide those. Pure."""
+    return Placement((), "volume" if choice == "any" else "bind", "")
+
+
+def launch_specs(master: ServiceSpec, groups: list[ServiceSpec]) -> LaunchSpecs:
+    """The services :func:`service_specs` gives, as :class:`~launcher.backends.specs.LaunchSpecs`. A bind's
+    source is its host path; a volume's is ``volume:NAME``, a tmpfs's ``tmpfs``. Pure."""
+    def part(name: str, svc: ServiceSpec) -> PartSpec:
+        mounts = tuple(Mount(m.source if m.kind == "bind" else f"{m.kind}:{m.source}" if m.source else m.kind,
+                             m.target, False) for m in svc.mounts)
+        return PartSpec(name, tuple(svc.args), dict(svc.env), mounts=mounts, cpus=svc.nano_cpus / 1e9, image=svc.image)
+
+    return LaunchSpecs("swarm", tuple(part(part_name(svc.labels), svc) for svc in (master, *groups)),
+                       note="the swarm picks each task's node, and its GPUs by count (DOCKER_RESOURCE_NVIDIA-GPU), "
+                            "at the start")
 
 
 def gpu_shortfall(needs: list[int], nodes: list[NodeInfo]) -> str | None:

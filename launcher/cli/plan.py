@@ -1,8 +1,12 @@
-"""``launcher plan``: show the placement ``launcher up`` would use, without starting anything.
+"""``launcher plan``: show the placement ``launcher up`` would use, and what its backend would start, without
+starting anything.
 
-Its options are ``up``'s own GPU and placement options (:data:`launcher.config.PLACEMENT_OPTIONS`, declared
-once in :data:`launcher.config.OPTIONS`), read through the same layers (``launcher.toml``, ``LAUNCHER_*``,
-flags) into the same :class:`~launcher.gpu.request.GpuRequest`, so the plan shown is the plan ``up`` makes.
+Its options are ``up``'s own (all but :data:`NOT_SHOWN`, declared once in :data:`launcher.config.OPTIONS`), read
+through the same layers (``launcher.toml``, ``LAUNCHER_*``, flags): the GPU and placement ones
+(:data:`launcher.config.PLACEMENT_OPTIONS`) into the same :class:`~launcher.gpu.request.GpuRequest`, so the
+plan shown is the plan ``up`` makes; from the rest, which decide each part's command and environment, the
+backend's one pure step (:meth:`launcher.backends.base.Backend.specs`, the one ``start`` uses) gives the
+``launch`` section. The run has no id yet: :data:`PREVIEW_RUN_ID` stands for it.
 """
 
 from __future__ import annotations
@@ -13,12 +17,38 @@ from dataclasses import asdict
 from typing import Any, Sequence
 
 from launcher import gpu
-from launcher.config import PLACEMENT_OPTIONS, gpu_request, load_config
+from launcher.backends.base import PreparedRun
+from launcher.backends.specs import LaunchSpecs, format_specs
+from launcher.config import RunConfig, gpu_request, load_config
 from launcher.gpu.nvml import GpuInfo
 from launcher.gpu.placement import Plan, PlanRequest
+from launcher.runs import RunDir
+from launcher.schemas import PLAN_SCHEMA
 from launcher.units import format_size
 
-SCHEMA = "launcher.plan/v1"
+SCHEMA = PLAN_SCHEMA
+# `up`'s options that change nothing `launcher plan` shows; every other one is plan's too (placement, and what
+# each part is started with: command, environment, mounts, the run's spec in a container's environment).
+NOT_SHOWN: tuple[str, ...] = ("detach", "progress", "progress-interval", "wait")
+PREVIEW_RUN_ID = "RUN-ID"  # stands for the id `launcher up` gives the run
+
+
+def preview_run(cfg: RunConfig, plan: Plan) -> PreparedRun:
+    """The run ``launcher up`` would prepare from ``cfg`` and ``plan``, with :data:`PREVIEW_RUN_ID` for its id and
+    no secret (no spec has it). Writes nothing."""
+    from launcher.up import build_spec
+
+    run_dir = RunDir(PREVIEW_RUN_ID, cfg.results / PREVIEW_RUN_ID)
+    return PreparedRun(config=cfg, plan=plan, spec=build_spec(cfg, plan, PREVIEW_RUN_ID, run_dir.path),
+                       run_dir=run_dir, secret="")
+
+
+def launch_specs(cfg: RunConfig, plan: Plan) -> tuple[LaunchSpecs, str]:
+    """What the backend ``cfg`` chooses would start for ``plan`` (:meth:`Backend.specs`), and why that backend."""
+    from launcher.up import choose_backend, make_backend
+
+    name, why = choose_backend(cfg.backend)
+    return make_backend(name, cfg).specs(preview_run(cfg, plan)), why
 
 
 def plan_document(plan: Plan, request: PlanRequest, gpus: Sequence[GpuInfo]) -> dict[str, Any]:
@@ -67,12 +97,15 @@ def run(args: argparse.Namespace) -> int:
     cfg, _ = load_config(flags_from_args(args), config_path=args.config)
     request = gpu_request(cfg)  # every option problem at once, before reading any GPU
     outcome = gpu.preview(request)
+    specs, why = launch_specs(cfg, outcome.plan)
     if cfg.json:
         doc = plan_document(outcome.plan, request.placement, outcome.gpus)
         doc["policy"] = None if outcome.site.empty else outcome.site.to_dict()
+        doc["launch"] = {**specs.to_dict(), "backend_reason": why, "run_id": PREVIEW_RUN_ID}
         print(json.dumps(doc, indent=2))
     else:
         print(format_plan(outcome.plan))
+        print("\n".join(format_specs(specs)))
     return 0
 
 
@@ -81,10 +114,12 @@ def register(subparsers: Any) -> None:
 
     parser = subparsers.add_parser(
         "plan",
-        help="show where the master and worker groups would run",
-        description="Show the placement `launcher up` would use (GPUs, groups, memory limits) without starting "
-        "anything, from up's own GPU and placement options (flags, launcher.toml [up], LAUNCHER_*). On a machine "
-        "with no usable GPU this is a CPU plan, with the reason.",
+        help="show where the master and worker groups would run, and what would be started",
+        description="Show the placement `launcher up` would use (GPUs, groups, memory limits) and what its backend "
+        "would start for each part (command, GPU and thread variables; --json: the whole environment the "
+        "launcher sets and the mounts, as plan.json records them) without starting anything, from up's own "
+        "options (flags, launcher.toml [up], LAUNCHER_*). On a machine with no usable GPU this is a CPU plan, "
+        f"with the reason. The run's id is not known yet: {PREVIEW_RUN_ID} stands for it.",
     )
-    add_up_options(parser, only=PLACEMENT_OPTIONS)
+    add_up_options(parser, exclude=NOT_SHOWN)
     parser.set_defaults(func=run)

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+from launcher.backends import BACKENDS as _REGISTRY
 from launcher.errors import BadInput
 from launcher.units import parse_duration, parse_size
 from worker.contract import ACTING, ALGOS, DEFAULT_MAX_UTILIZATION_PCT, DEFAULT_MIN_FREE_MEMORY, SWARM_MASTER
@@ -17,7 +18,7 @@ from worker.contract import ACTING, ALGOS, DEFAULT_MAX_UTILIZATION_PCT, DEFAULT_
 SWARM_GROUPS = ("spread", "any")  # --swarm-groups (launcher.backends.swarm_specs.group_placement)
 
 
-BACKENDS = ("auto", "process", "docker", "swarm", "slurm")
+BACKENDS = ("auto", *_REGISTRY)  # --backend: auto, then every backend of the one table (launcher.backends)
 SLURM_RUNTIMES = ("auto", "docker", "process")  # --slurm-runtime (launcher.backends.slurm_specs.task_command)
 PROGRESS_MODES = ("auto", "live", "plain", "off")
 MAX_WORKERS = 1024

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Mapping, Protocol
+from dataclasses import asdict, dataclass, replace
+from typing import Any, Protocol
 
 from launcher.errors import NoResources
 
@@ -69,7 +69,8 @@ class ProcessShare:
     gpu_uuids: tuple[str, ...] = ()
     memory_limit_bytes: int | None = None  # TF GPU memory cap for this process; None on CPU
     cpus: float = 1.0  # CPU limit (Docker ``nano_cpus``); the process backend uses it for thread counts
-    env: Mapping[str, str] = field(default_factory=dict)  # NVIDIA_VISIBLE_DEVICES, CUDA_DEVICE_ORDER, ...
+    # No environment here: each backend makes a share's variables (launcher.backends.containers.worker_env) and
+    # its specs (Backend.specs, `launcher plan --backend X`) show them.
     gpu_indices: tuple[int, ...] = ()  # NVML indices of gpu_uuids, for people; processes use the UUIDs
 
     @property
@@ -138,12 +139,8 @@ def cpu_plan(request: PlanRequest, cpu_count: int) -> Plan:
         actor_cores = cores - 1 if keep_core else cores
         n_groups = max(min(request.workers, actor_cores), math.ceil(request.workers / request.max_workers_per_group))
     sizes = split_evenly(request.workers, n_groups)
-    cpu_env = {"NVIDIA_VISIBLE_DEVICES": "void", "CUDA_VISIBLE_DEVICES": ""}
-    groups = tuple(
-        GroupPlan(index=i, workers=n, share=ProcessShare(cpus=float(cores), env=dict(cpu_env)))
-        for i, n in enumerate(sizes)
-    )
-    master = ProcessShare(cpus=float(cores), env=dict(cpu_env))
+    groups = tuple(GroupPlan(index=i, workers=n, share=ProcessShare(cpus=float(cores))) for i, n in enumerate(sizes))
+    master = ProcessShare(cpus=float(cores))
     reasons = (
         f"no GPU selected: CPU plan over {cores} core(s), "
         f"{request.workers} worker(s) in {n_groups} group(s) of {max(sizes)} or fewer"
@@ -163,16 +160,6 @@ class GpuCapacity(Protocol):
 
     @property
     def memory_free_bytes(self) -> int: ...
-
-
-GPU_ENV_COMMON = {"CUDA_DEVICE_ORDER": "PCI_BUS_ID"}  # so indices, where anything uses them, match nvidia-smi
-
-
-def gpu_env(uuids: Sequence[str]) -> dict[str, str]:
-    """Environment a process restricted to ``uuids`` gets: the NVIDIA runtime (containers) reads
-    NVIDIA_VISIBLE_DEVICES, CUDA (processes) reads CUDA_VISIBLE_DEVICES; both take UUIDs."""
-    joined = ",".join(uuids)
-    return {"NVIDIA_VISIBLE_DEVICES": joined, "CUDA_VISIBLE_DEVICES": joined, **GPU_ENV_COMMON}
 
 
 def _group_cost(request: PlanRequest) -> int:
@@ -378,12 +365,11 @@ def make_plan(
         if with_master:
             needs.insert(0, request.master_memory_bytes)
         limits = _limits(needs, usable[pos], request.process_overhead_bytes)
-        env = gpu_env([gpu.uuid])
         if with_master:
-            master_share = ProcessShare((gpu.uuid,), limits.pop(0), float(cores), dict(env), gpu_indices=(gpu.index,))
+            master_share = ProcessShare((gpu.uuid,), limits.pop(0), float(cores), gpu_indices=(gpu.index,))
         for n, limit in zip(sizes, limits):
             cpus = max(0.1, round(cores * n / request.workers, 2))
-            share = ProcessShare((gpu.uuid,), limit, cpus, dict(env), gpu_indices=(gpu.index,))
+            share = ProcessShare((gpu.uuid,), limit, cpus, gpu_indices=(gpu.index,))
             groups.append(GroupPlan(index=len(groups), workers=n, share=share))
     assert master_share is not None
 

@@ -30,7 +30,7 @@ def main(argv: list[str]) -> int:
             continue
         with ExitStack() as stack:
             try:
-                run, _ = prepare(cfg, stack)
+                run = prepare(cfg, stack).run
             except LauncherError as exc:
                 print(json.dumps({"error": exc.message, "code": int(exc.exit_code)}), flush=True)
             else:

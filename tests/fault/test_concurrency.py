@@ -157,7 +157,7 @@ def test_two_launches_with_the_same_run_id_fail_safe(nvml_stub: NvmlStub, tmp_pa
     cfg = RunConfig(workers=8, backend="process", results=tmp_path / "results", max_steps=1000,
                     lock_dir=nvml_stub.lock_dir)
     with ExitStack() as first:
-        run, _ = up.prepare(cfg, first)
+        run = up.prepare(cfg, first).run
         held = {h.uuid for h in reservations.list_holders(nvml_stub.lock_dir)}
         assert held == set(run.plan.gpu_uuids) and held
         with ExitStack() as second:

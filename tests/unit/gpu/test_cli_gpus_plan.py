@@ -152,14 +152,16 @@ def test_plan_32_workers_on_4x80gb_json(nvml_stub: NvmlStub) -> None:
     assert doc["gpu_uuids"] == [stub_uuid(i) for i in range(4)]
     master = doc["master"]
     assert master["gpu_uuids"] == [stub_uuid(0)] and master["gpu_indices"] == [0]
-    assert master["env"] == {"NVIDIA_VISIBLE_DEVICES": stub_uuid(0), "CUDA_VISIBLE_DEVICES": stub_uuid(0),
-                             "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+    assert "env" not in master  # a share has no environment: each backend's specs give it (doc["launch"])
+    launch = {p["name"]: p for p in doc["launch"]["parts"]}
+    assert launch["master"]["env"]["CUDA_VISIBLE_DEVICES"] == stub_uuid(0)
+    assert launch["master"]["env"]["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
     assert 70 * GiB < master["memory_limit_bytes"] < 80 * GiB
     assert [g["index"] for g in doc["groups"]] == [0, 1, 2]
     assert _per_gpu(doc) == {1: [11], 2: [11], 3: [10]}
     for g in doc["groups"]:
         share = g["share"]
-        assert share["env"]["NVIDIA_VISIBLE_DEVICES"] == share["gpu_uuids"][0]
+        assert launch[f"group-{g['index']}"]["env"]["CUDA_VISIBLE_DEVICES"] == share["gpu_uuids"][0]
         assert share["memory_limit_bytes"] > 0 and share["cpus"] > 0
     assert doc["reasons"][0] == "took the worst of 3 readings 0 s apart"
     assert "master alone on GPU 0: the 32 worker(s) fit on the other GPUs" in doc["reasons"]
@@ -190,7 +192,7 @@ def test_plan_on_this_machine_is_a_cpu_plan_with_the_reason(no_nvml_env: dict[st
     doc = json.loads(launcher(no_nvml_env, "plan", "--workers", "32", "--json").stdout)
     assert doc["kind"] == "cpu" and doc["gpu_uuids"] == [] and doc["selected_gpus"] == []
     assert doc["reasons"][0] == "no GPUs: the NVIDIA driver library libnvidia-ml.so.1 was not found"
-    assert doc["master"]["env"]["NVIDIA_VISIBLE_DEVICES"] == "void"
+    assert all(p["env"]["CUDA_VISIBLE_DEVICES"] == "" for p in doc["launch"]["parts"])
     assert doc["total_workers"] == 32
 
 

@@ -91,7 +91,6 @@ def test_groups_are_placed_and_leased_on_mig_instances(nvml_stub: NvmlStub) -> N
         assert on_mig
         for g in on_mig:  # the group sees its MIG instance and nothing else, in a container and as a process
             (uuid,) = g.share.gpu_uuids
-            assert g.share.env["NVIDIA_VISIBLE_DEVICES"] == uuid == g.share.env["CUDA_VISIBLE_DEVICES"]
             docker_env = containers.worker_env(containers.Kind.DOCKER, g.share, master_addr="m:1")
             assert docker_env["NVIDIA_VISIBLE_DEVICES"] == uuid == docker_env["CUDA_VISIBLE_DEVICES"]
             process_env = containers.worker_env(containers.Kind.PROCESS, g.share, master_addr="m:1")
@@ -132,7 +131,8 @@ def test_launcher_plan_and_gpus_on_a_mig_machine(nvml_stub: NvmlStub) -> None:
 
     plan = launcher("plan", "--workers", "8", "--gpus", f"{MIG_A},{MIG_B}", "--json")
     shares = [plan["master"], *[g["share"] for g in plan["groups"]]]
-    assert {s["env"]["NVIDIA_VISIBLE_DEVICES"] for s in shares} <= {MIG_A, MIG_B}
+    assert {s["gpu_uuids"][0] for s in shares} <= {MIG_A, MIG_B}
+    assert {p["env"]["CUDA_VISIBLE_DEVICES"] for p in plan["launch"]["parts"]} <= {MIG_A, MIG_B}
     assert set(plan["gpu_uuids"]) == {MIG_A, MIG_B}
     lease = reservations.reserve([MIG_B], "run-on-mig", nvml_stub.lock_dir)
     try:

@@ -40,8 +40,7 @@ def test_32_workers_on_4x80gb_default_figures_isolate_the_master() -> None:
     assert per_gpu(plan) == {"GPU-0001": [11], "GPU-0002": [11], "GPU-0003": [10]}
     assert plan.reasons[0] == "master alone on GPU 0: the 32 worker(s) fit on the other GPUs"
     g = plan.groups[0]
-    assert g.share.env == {"NVIDIA_VISIBLE_DEVICES": "GPU-0001", "CUDA_VISIBLE_DEVICES": "GPU-0001",
-                           "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+    assert g.share.gpu_uuids == ("GPU-0001",)
     assert g.share.gpu_indices == (1,) and g.share.cpus == 5.5
     assert plan.master.cpus == 16.0
     usable = int(A100_FREE * 0.95)
@@ -103,8 +102,7 @@ def test_forced_groups() -> None:
 def test_no_gpus_is_the_cpu_plan_with_the_reason() -> None:
     plan = make_plan(PlanRequest(workers=8), [], cpu_count=2, reasons=["no GPUs: the NVIDIA kernel driver is not loaded"])
     assert plan.kind == "cpu" and plan.reasons[0] == "no GPUs: the NVIDIA kernel driver is not loaded"
-    assert plan.master.env["NVIDIA_VISIBLE_DEVICES"] == "void"
-    assert all(g.share.env["NVIDIA_VISIBLE_DEVICES"] == "void" and not g.share.on_gpu for g in plan.groups)
+    assert not plan.master.on_gpu and all(not g.share.on_gpu for g in plan.groups)
 
 
 @pytest.mark.parametrize(("workers", "cores", "sizes"), [
@@ -181,13 +179,11 @@ def check_invariants(request: PlanRequest, gs: list[Gpu], plan: Plan) -> None:
         assert len(plan.groups) == request.groups
     else:
         assert all(g.workers <= request.max_workers_per_group for g in plan.groups)
-    # one GPU per process, with matching env
+    # one GPU per process
     free = {g.uuid: g.memory_free_bytes for g in gs}
     committed: dict[str, int] = defaultdict(int)
     for share in (plan.master, *(g.share for g in plan.groups)):
         assert len(share.gpu_uuids) == 1 and share.gpu_uuids[0] in free
-        assert share.env["NVIDIA_VISIBLE_DEVICES"] == share.gpu_uuids[0]
-        assert share.env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
         assert share.memory_limit_bytes is not None and share.memory_limit_bytes >= 0
         committed[share.gpu_uuids[0]] += share.memory_limit_bytes + request.process_overhead_bytes
     # no GPU's memory over-committed

@@ -97,7 +97,7 @@ def _prepared(root: Path) -> RunDir:
     cfg = RunConfig(env_id="CartPole-v1", workers=2, groups=1, backend="process", gpus="none", results=root,
                     max_steps=1000)
     with ExitStack() as stack:
-        run, _ = prepare(cfg, stack)
+        run = prepare(cfg, stack).run
     return run.run_dir
 
 
