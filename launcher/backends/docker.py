@@ -250,8 +250,6 @@ class DockerBackend(Backend):
 
     def start(self, run: PreparedRun) -> None:
         self.create(run)
-        assert self.master_id is not None
-        master_id = self.master_id
         # The master takes the run's GPU leases first thing; the launcher lets go of them right before and
         # confirms from /proc/locks that the master holds them before the groups start (launcher.gpu.handover).
         lease = run.reservation if run.reservation is not None and run.reservation.uuids else None
@@ -259,12 +257,7 @@ class DockerBackend(Backend):
         uuids = handover.hand_over(lease) if lease else ()
         self._leases = (uuids, where)  # the master holds them now; a new master (restart_master) takes them again
         # Groups start with the master: they dial with back-off until it listens (it imports TF first).
-        self.engine.start(master_id)
-        if uuids:
-            def exit_code() -> int | None:
-                c = self.engine.inspect(master_id)
-                return -1 if c is None else c.exit_code
-            handover.confirm_held_by_container(uuids, master_id, exit_code=exit_code, where=where)
+        self._start_master()
         for cid in self.group_ids.values():
             self.engine.start(cid)
         log.info("started run %s: master %s and %d group containers on network %s", run.run_id,
@@ -293,9 +286,14 @@ class DockerBackend(Backend):
         """Start the dead master's container again (like ``docker start``): its name on the run's network, mounts,
         environment and secret are the same, so the groups reconnect to it. It takes the GPU leases again as at
         the start; one taken by another run in the gap ends this run (NoResources), as at the start."""
-        assert self.master_id is not None and self.run is not None
-        master_id = self.master_id
         self._master_stop_seen = False
+        self._start_master()
+
+    def _start_master(self) -> None:
+        """Start the master's container and, when the run has GPU leases, confirm from ``/proc/locks`` that it
+        holds them (:func:`launcher.gpu.handover.confirm_held_by_container`)."""
+        assert self.master_id is not None
+        master_id = self.master_id
         uuids, where = self._leases
         self.engine.start(master_id)
         if uuids:
