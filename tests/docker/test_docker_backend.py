@@ -344,24 +344,48 @@ def test_gpu_plan_containers_and_missing_nvidia_runtime(launcher_image: str, run
 
 
 @pytest.mark.docker
-def test_master_killed_then_resume_continues_from_the_checkpoint(launcher_image: str, runs_under: Path,
-                                                                  engine: Engine) -> None:
+def test_a_killed_master_is_replaced_in_place_then_given_up_then_resumed(launcher_image: str, runs_under: Path,
+                                                                         engine: Engine) -> None:
+    """Issue 27 on Docker: the master container's process SIGKILLed from the host (as the OOM killer would) is
+    started again in place (the group containers are not restarted: same start time, restart count 0) and
+    restores its checkpoint; killed again within 60 s of that start with ``--master-restarts 1``, it is not
+    replaced: exit 7, and ``up --resume`` continues from the newest checkpoint."""
     common = ("--image", launcher_image, "--results", str(runs_under))
     proc = subprocess.Popen(
-        # Recovery in place off (test_master_recovery_docker.py has it on): this is `up --resume`'s test.
         launcher_cmd("up", "--backend", "docker", *common, "--workers", "4", "--groups", "2", "--max-steps", "2000000",
-                     "--checkpoint-every", "5", "--master-restarts", "0"),
+                     "--checkpoint-every", "5", "--master-restarts", "1"),
         cwd=ROOT, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         run = wait_for(lambda: next(iter(run_dirs(runs_under)), None), 30, "the run directory")
         wait_for(lambda: ((status_of(run).get("checkpoint") or {}).get("updates") or 0) >= 5, 120, "a checkpoint")
+        started = {g: _container(engine, group_name(run.name, g))["State"]["StartedAt"] for g in (0, 1)}
         _kill_hard(engine, master_name(run.name))
+        t_kill = time.monotonic()
+
+        def recovered() -> bool:
+            st = status_of(run)
+            groups = st.get("groups") or {}
+            return len(st.get("recoveries") or []) == 1 and sum(bool(g.get("connected")) for g in groups.values()) == 2
+
+        wait_for(lambda: recovered() or proc.poll() is not None, 120, "the master replaced and both groups back")
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        print(f"\n[recovery docker] master replaced and both groups back {time.monotonic() - t_kill:.1f} s after the kill")
+        for g in (0, 1):
+            c = _container(engine, group_name(run.name, g))
+            assert c["State"]["StartedAt"] == started[g] and c["RestartCount"] == 0, f"group {g} was restarted"
+        (rec,) = status_of(run)["recoveries"]
+        assert rec["checkpoint"] and rec["restored_updates"] >= 5 and rec["steps_lost"] >= 0, rec
+        base = rec["restored_updates"]
+        wait_for(lambda: ((status_of(run).get("checkpoint") or {}).get("updates") or 0) >= base + 5, 60,
+                 "a checkpoint of the new master")
+        _kill_hard(engine, master_name(run.name))  # within 60 s of its start: the budget of 1 is spent
         out, err = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
     assert proc.returncode == 7, err[-3000:]  # RUN_FAILED
+    assert "the master died (killed by SIGKILL" in err and "not replaced: it died 2 times in a row" in out + err
     assert f"launcher up --resume {run.name}" in out + err
     assert ours(engine, runs_under) == ([], []), "the attached up must remove what it started"
     last = read_json(run / "status.json")
@@ -372,10 +396,11 @@ def test_master_killed_then_resume_continues_from_the_checkpoint(launcher_image:
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     events = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     starts = [e for e in events if e.get("event") == "master_started"]
-    assert len(starts) == 2 and starts[0]["updates"] == 0
-    assert starts[1]["updates"] >= checkpointed >= 5 and starts[1]["env_steps"] > 0, starts
+    assert len(starts) == 3 and starts[0]["updates"] == 0, starts
+    assert starts[2]["updates"] >= checkpointed >= 10 and starts[2]["env_steps"] > 0, starts
     summary = read_json(run / "summary.json")
-    assert summary["outcome"] == "max_steps" and summary["updates"] > starts[1]["updates"]
+    assert summary["outcome"] == "max_steps" and summary["updates"] > starts[2]["updates"]
+    assert len(summary["recoveries"]) == 2, "the resumed master records the second death too"
     assert "resumed from" in (run / "logs" / "master.log").read_text()
 
 
