@@ -13,9 +13,13 @@ Each case drives the real CLI (``python -m launcher``) through the same steps an
    backend's own tests' helper says what is left).
 
 Where a check cannot apply to a backend, the case says so (:attr:`Case.not_applicable`) and checks what stands
-in for it. The Docker cases use the suite's image and clean-up fixtures (``runs_under``; test_swarm.py's
+in for it: Slurm's ``launcher plan`` has no steps before an allocation (``plan.json``'s stand in), and a part's
+``state`` in ``status --json`` is the backend's own word (``alive`` for a process, Slurm's ``RUNNING``), not one
+vocabulary; each case names the word it expects. The Docker cases use the suite's image and clean-up fixtures (``runs_under``; test_swarm.py's
 one-node swarm on this engine and ``swarm_runs_under``); the Slurm case the suite's Slurm bed. Each case prints
-``conformance figures: …`` (run with ``-s``).
+``conformance figures: …`` (run with ``-s``). Pick one case by its id
+(``tests/docker/test_backend_conformance.py::test_the_same_lifecycle_on_every_backend[docker]``): ``-k docker``
+matches every case, this file being under tests/docker/.
 """
 
 from __future__ import annotations
