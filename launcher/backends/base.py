@@ -135,8 +135,9 @@ class Part:
         return (self.status or self.state.value) + (f" ({self.reason})" if self.reason else "")
 
     def to_dict(self) -> dict[str, Any]:
-        """The part in ``launcher status --json`` (schema launcher.run-status/v1)."""
-        d: dict[str, Any] = {"name": self.name, "state": self.word, "id": self.ident,
+        """The part in ``launcher status --json`` (schema launcher.run-status/v1): ``state`` in the one
+        backend-neutral vocabulary (:class:`PartState`), ``status`` the backend's own word for it."""
+        d: dict[str, Any] = {"name": self.name, "state": self.state.value, "status": self.word, "id": self.ident,
                              "restarts": self.restarts, "exit_code": self.exit_code, "health": self.health}
         d.update({k: v for k, v in (("node", self.node), ("lost", self.lost), ("reason", self.reason),
                                     ("gpus", self.gpus)) if v})

@@ -13,9 +13,9 @@ Each case drives the real CLI (``python -m launcher``) through the same steps an
    backend's own tests' helper says what is left).
 
 Where a check cannot apply to a backend, the case says so (:attr:`Case.not_applicable`) and checks what stands
-in for it: Slurm's ``launcher plan`` has no steps before an allocation (``plan.json``'s stand in), and a part's
-``state`` in ``status --json`` is the backend's own word (``alive`` for a process, Slurm's ``RUNNING``), not one
-vocabulary; each case names the word it expects. The Docker cases use the suite's image and clean-up fixtures (``runs_under``; test_swarm.py's
+in for it: Slurm's ``launcher plan`` has no steps before an allocation (``plan.json``'s stand in). A part's ``state``
+in ``status --json`` is one vocabulary on every backend (``running``); its ``status`` is the backend's own word
+(``alive`` for a process, Docker's ``running``, Slurm's ``RUNNING``), which each case names. The Docker cases use the suite's image and clean-up fixtures (``runs_under``; test_swarm.py's
 one-node swarm on this engine and ``swarm_runs_under``); the Slurm case the suite's Slurm bed. Each case prints
 ``conformance figures: …`` (run with ``-s``). Pick one case by its id
 (``tests/docker/test_backend_conformance.py::test_the_same_lifecycle_on_every_backend[docker]``): ``-k docker``
@@ -64,7 +64,7 @@ class Case:
     args: tuple[str, ...]
     env: dict[str, str]
     leftovers: Callable[[Path], list[str]]
-    running_word: str = "running"  # what `status --json` says of a running part: the backend's own word (Part.word)
+    running_word: str = "running"  # a running part's `status` in `status --json`: the backend's own word (Part.word)
     extra_parts: dict[str, str] = field(default_factory=dict)  # part name -> why status shows it beyond the plan
     not_applicable: dict[str, str] = field(default_factory=dict)  # check -> why it cannot apply here
 
@@ -103,9 +103,7 @@ def case(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Case]:
     if backend == "process":
         root = tmp_path / "results"
         root.mkdir()
-        yield Case(backend, root, (), child_env(), _process_leftovers, running_word="alive",
-                   not_applicable={"part word": "a part's state in `status --json` is the backend's own word "
-                                                "(Part.status): a live pid is `alive`, not `running`"})
+        yield Case(backend, root, (), child_env(), _process_leftovers, running_word="alive")
         for run in run_dirs(root):  # a failed test must not leave training processes behind
             kill_all(str(run))
     elif backend == "docker":
@@ -125,9 +123,7 @@ def case(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Case]:
                    extra_parts={"job": "the Slurm job that holds the run's steps"},
                    not_applicable={"plan parts": "`launcher plan` has no Slurm allocation yet: the steps come from "
                                                  "the plan Slurm's view gives at the start, so plan.json's parts "
-                                                 "stand for them",
-                                  "part word": "a part's state in `status --json` is Slurm's own word for the job "
-                                               "and each step (Part.status): `RUNNING`"})
+                                                 "stand for them"})
         for run in run_dirs(root):  # a failed test: cancel the job (its steps die with it)
             job = str(read_json(run / "run.json").get("slurm_job") or "") if (run / "run.json").exists() else ""
             if job:
@@ -181,9 +177,9 @@ def test_the_same_lifecycle_on_every_backend(case: Case) -> None:
         # 3. While it runs: live, every part running; the master's log.
         def running() -> dict[str, Any] | None:
             st = case.json("status", run.name)
-            parts = {p["name"]: p["state"] for p in st["parts"]}
+            parts = {p["name"]: (p["state"], p["status"]) for p in st["parts"]}
             return st if st["state"] == "running" and set(names) <= set(parts) and \
-                all(s == case.running_word for s in parts.values()) else None
+                all(s == ("running", case.running_word) for s in parts.values()) else None
 
         try:
             live = wait_for(running, 120, "`launcher status` to show the run and all its parts running", interval=0.5)
@@ -191,8 +187,6 @@ def test_the_same_lifecycle_on_every_backend(case: Case) -> None:
             raise AssertionError(f"{exc}\nlast status: {case.json('status', run.name)}\n"
                                  f"launcher: {err.read_text()[-3000:]}") from None
         t_running = time.monotonic() - t0
-        if "part word" in case.not_applicable:
-            print(f"{case.backend}: parts are `{case.running_word}`, not `running`: {case.not_applicable['part word']}")
         assert live["live"] is True and live["backend"] == case.backend
         extra = {p["name"] for p in live["parts"]} - set(names)
         assert extra == set(case.extra_parts), f"status shows parts the plan does not: {extra - set(case.extra_parts)}"

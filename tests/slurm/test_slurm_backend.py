@@ -202,14 +202,15 @@ def test_solves_cartpole_across_nodes_with_slurms_gpus_and_queues_a_second_run(s
             name = f"group-{_index(pid)}"
             assert (part(shown, name)["gpus"], part(shown, name)["node"]) == (env["SLURM_STEP_GPUS"],
                                                                               env["SLURMD_NODENAME"]), shown
-        assert part(shown, "job")["state"] == "RUNNING" and first
+        assert (part(shown, "job")["state"], part(shown, "job")["status"]) == ("running", "RUNNING") and first
         assert "TimeLimit=00:09:00" in sb.scontrol(slurm_bed, "-o", "show", "job", job_a)  # --timeout 8m + 1 min
         # 2. A second run while the first holds every GPU: queued, with Slurm's reason.
         b = Launch(slurm_bed, results, "--max-steps", "3000000", "--timeout", "8m")
         run_b, _ = wait_for(lambda: _new_run(results, {run_a}, ("queued",)), 60, "run B queued")
         queued = wait_for(lambda: (s := status(slurm_bed, results, run_b))["state"] == "queued"
                           and part(s, "job").get("reason") == "Resources" and s, 30, "B shown queued (Resources)")
-        assert part(queued, "job")["state"] == "PENDING (Resources)" and queued["live"]
+        assert (part(queued, "job")["state"], part(queued, "job")["status"]) == ("starting", "PENDING (Resources)")
+        assert queued["live"]
         # ... and one stopped while queued (Ctrl-C) cancels its job and exits 130.
         q = Launch(slurm_bed, results, "--max-steps", "1000")
         run_q, rec_q = wait_for(lambda: _new_run(results, {run_a, run_b}, ("queued",)), 60, "run Q queued")

@@ -79,7 +79,8 @@ def test_status_of_a_live_process_run_then_down(tmp_path: Path, sleepers: list[s
     doc = json.loads(capsys.readouterr().out)
     assert doc["state"] == "running" and doc["live"] and doc["env_steps_per_s"] == 456.0
     assert doc["mean_return"] == 21.5 and doc["workers_connected"] == 4
-    assert {p["name"]: p["state"] for p in doc["parts"]} == {"master": "alive", "group-0": "alive"}
+    assert {p["name"]: (p["state"], p["status"]) for p in doc["parts"]} == {"master": ("running", "alive"),
+                                                                              "group-0": ("running", "alive")}
 
     assert main(["status", "--results", str(tmp_path)]) == 0
     table = capsys.readouterr().out
