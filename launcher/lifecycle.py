@@ -64,7 +64,7 @@ class RunView:
         s = self.status
         groups = s.get("groups") or {}
         return {
-            "schema": "launcher.run-status/v1", "run_id": self.run_id, "results": str(self.path or ""),
+            "schema": "launcher.run-status/v2", "run_id": self.run_id, "results": str(self.path or ""),
             "backend": self.backend, "state": self.state.value, "live": self.live, "note": self.note,
             "parts": [{**p.to_dict(), **({"error": self.part_errors[p.name]} if p.name in self.part_errors else {})}
                       for p in self.parts],

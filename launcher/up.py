@@ -140,7 +140,7 @@ def prepare(cfg: RunConfig, stack: ExitStack, *, report: Callable[[str], None] |
 
 
 def plan_record(plan: Plan, specs: LaunchSpecs) -> dict[str, Any]:
-    """``plan.json`` (schema launcher.plan/v1): the placement and what the backend starts (``launch``)."""
+    """``plan.json`` (schema launcher.plan/v2): the placement and what the backend starts (``launch``)."""
     return {"schema": PLAN_SCHEMA, **plan.to_dict(), "launch": specs.to_dict()}
 
 

@@ -135,7 +135,7 @@ class Part:
         return (self.status or self.state.value) + (f" ({self.reason})" if self.reason else "")
 
     def to_dict(self) -> dict[str, Any]:
-        """The part in ``launcher status --json`` (schema launcher.run-status/v1): ``state`` in the one
+        """The part in ``launcher status --json`` (schema launcher.run-status/v2): ``state`` in the one
         backend-neutral vocabulary (:class:`PartState`), ``status`` the backend's own word for it."""
         d: dict[str, Any] = {"name": self.name, "state": self.state.value, "status": self.word, "id": self.ident,
                              "restarts": self.restarts, "exit_code": self.exit_code, "health": self.health}

@@ -16,6 +16,7 @@ from typing import Any
 
 from launcher.lifecycle import RunView, view_runs
 from launcher.rundata import printable
+from launcher.schemas import STATUS_LIST_SCHEMA
 
 
 def register(sub: Any) -> None:
@@ -72,7 +73,7 @@ def format_view(v: RunView) -> str:
 def run(args: argparse.Namespace) -> int:
     views = view_runs(results_root(args), run=args.run)
     if args.json:
-        doc: Any = views[0].to_dict() if args.run else {"schema": "launcher.status/v1",
+        doc: Any = views[0].to_dict() if args.run else {"schema": STATUS_LIST_SCHEMA,
                                                          "runs": [v.to_dict() for v in views]}
         sys.stdout.write(json.dumps(doc, indent=2, default=str) + "\n")
         return 0

@@ -13,11 +13,11 @@ from importlib import resources
 from typing import Any
 
 RESULT_SCHEMA = "launcher.result/v1"  # launcher up --json, <run>/result.json
-PLAN_SCHEMA = "launcher.plan/v1"  # launcher plan --json, <run>/plan.json
+PLAN_SCHEMA = "launcher.plan/v2"  # launcher plan --json, <run>/plan.json
 GPUS_SCHEMA = "launcher.gpus/v1"  # launcher gpus --json
 STATUS_SCHEMA = "launcher.status/v1"  # <run>/status.json (the master)
-RUN_STATUS_SCHEMA = "launcher.run-status/v1"  # launcher status RUN --json
-STATUS_LIST_SCHEMA = "launcher.status-list/v1"  # launcher status --json (every run)
+RUN_STATUS_SCHEMA = "launcher.run-status/v2"  # launcher status RUN --json
+STATUS_LIST_SCHEMA = "launcher.status-list/v2"  # launcher status --json (every run)
 RUNS_SCHEMA = "launcher.runs/v1"  # launcher runs --json
 EVAL_SCHEMA = "launcher.eval/v1"  # launcher eval --json
 CONFIG_SCHEMA = "launcher.config-show/v1"  # launcher config show --json
@@ -28,14 +28,14 @@ ALL = (RESULT_SCHEMA, PLAN_SCHEMA, GPUS_SCHEMA, STATUS_SCHEMA, RUN_STATUS_SCHEMA
 
 
 def file_name(schema_id: str) -> str:
-    """``launcher.plan/v1`` -> ``plan.v1.json``."""
+    """``launcher.plan/v2`` -> ``plan.v2.json``."""
     name, _, version = schema_id.removeprefix("launcher.").partition("/")
     return f"{name}.{version}.json"
 
 
 @cache
 def load(schema_id: str) -> dict[str, Any]:
-    """The JSON Schema of ``schema_id`` (e.g. ``launcher.plan/v1``). Raises FileNotFoundError if unknown."""
+    """The JSON Schema of ``schema_id`` (e.g. ``launcher.plan/v2``). Raises FileNotFoundError if unknown."""
     text = resources.files(__name__).joinpath(file_name(schema_id)).read_text(encoding="utf-8")
     schema: dict[str, Any] = json.loads(text)
     return schema

@@ -148,7 +148,7 @@ def test_plan_32_workers_on_4x80gb_json(nvml_stub: NvmlStub) -> None:
     out = launcher(nvml_stub.env(), "plan", "--workers", "32", "--json", "--sample-interval", "0")
     assert out.returncode == 0, out.stderr
     doc = json.loads(out.stdout)
-    assert doc["schema"] == "launcher.plan/v1" and doc["kind"] == "gpu" and doc["total_workers"] == 32
+    assert doc["schema"] == "launcher.plan/v2" and doc["kind"] == "gpu" and doc["total_workers"] == 32
     assert doc["gpu_uuids"] == [stub_uuid(i) for i in range(4)]
     master = doc["master"]
     assert master["gpu_uuids"] == [stub_uuid(0)] and master["gpu_indices"] == [0]
@@ -245,7 +245,7 @@ def test_gpus_and_plan_need_only_nvml_and_numpy(nvml_stub: NvmlStub, tmp_path: P
                              capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stderr
         doc = json.loads(out.stdout)
-        assert doc["schema"] in ("launcher.gpus/v1", "launcher.plan/v1")
+        assert doc["schema"] in ("launcher.gpus/v1", "launcher.plan/v2")
         if args[0] == "gpus":
             assert doc["docker"]["available"] is False and "not installed" in doc["docker"]["reason"]
             assert doc["store"]["mode"] == "single-user" and len(doc["gpus"]) == 4

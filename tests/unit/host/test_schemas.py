@@ -72,8 +72,10 @@ def test_status_json(trained_cartpole: CliRun) -> None:
                             "--json"], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert every.returncode == 0, every.stderr
     listing = json.loads(every.stdout)
-    # The list document's id is launcher.status-list/v1 in the schemas; `launcher status` may still name it
-    # launcher.status/v1 (the master's status.json id), so only its runs are checked here.
+    # The list names its own schema (it used to claim launcher.status/v1, the master's status.json id).
+    assert listing["schema"] == schemas.STATUS_LIST_SCHEMA == "launcher.status-list/v2"
+    schemas.validator(schemas.STATUS_LIST_SCHEMA).validate(listing)
     for item in listing["runs"]:
         schemas.validator(schemas.RUN_STATUS_SCHEMA).validate(item)
+        assert all(p["state"] in ("starting", "running", "restarting", "exited", "failed", "lost") for p in item["parts"])
     assert [r["run_id"] for r in listing["runs"]] == [run.name]
