@@ -16,8 +16,10 @@ example.
 """
 from launcher.config.checks import check, gpu_request, port_free, validate
 from launcher.config.layers import FileValues, find_config_file, load_config, read_config_file, resolve_config, show_rows
+from launcher.backends.swarm_options import SWARM_GROUPS
 from launcher.config.options import (BACKENDS, BY_FIELD, BY_NAME, DEFAULTS, FIELD_TYPES, OPTIONS, PLACEMENT_OPTIONS,
-                                     PROGRESS_MODES, SWARM_GROUPS, WAIT_FOREVER, Option, RunConfig, coerce, parse_hparam)
+                                     PROGRESS_MODES, WAIT_FOREVER, RunConfig, coerce, parse_hparam)
+from launcher.option import Option
 from launcher.units import parse_duration, parse_size
 
 __all__ = [

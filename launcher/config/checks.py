@@ -9,7 +9,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from launcher.errors import BadInput, ConfigErrors
-from launcher.config.options import BACKENDS, MAX_WORKERS, PROGRESS_MODES, SLURM_RUNTIMES, RunConfig, check_env_args
+from launcher.backends.slurm_options import SLURM_RUNTIMES
+from launcher.config.options import BACKENDS, MAX_WORKERS, PROGRESS_MODES, RunConfig, check_env_args
 from worker.algorithms.hparams import resolve as resolve_hparams
 from worker.contract import ACTING, ALGOS, plain_env_id
 
