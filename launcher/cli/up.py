@@ -85,14 +85,19 @@ def flags_from_args(args: argparse.Namespace) -> dict[str, Any]:
 
 def config_from_args(args: argparse.Namespace) -> RunConfig:
     """The RunConfig of ``launcher up ARGS``: file < environment < flags, or the saved run's with --resume."""
+    return config_and_origin(args)[0]
+
+
+def config_and_origin(args: argparse.Namespace) -> tuple[RunConfig, dict[str, str] | None]:
+    """:func:`config_from_args` and where each value came from (None with --resume: the run's own record)."""
     from launcher.up import resume_config
 
     flags = flags_from_args(args)
-    cfg, _ = load_config(flags, config_path=args.config)
+    cfg, origin = load_config(flags, config_path=args.config)
     if args.resume:
         # The config file and environment only say where the results root is; the run keeps its own values.
-        return resume_config(flags, cfg.results, args.resume)
-    return cfg
+        return resume_config(flags, cfg.results, args.resume), None
+    return cfg, origin
 
 
 def result_document(result: Any, results_dir: Path) -> dict[str, Any]:
@@ -112,10 +117,10 @@ def run(args: argparse.Namespace) -> int:
         args.hparams = [h for h in args.hparams if h != "help"]
         sys.stdout.write(hparam_help(config_from_args(args)) + "\n")
         return 0
-    cfg = config_from_args(args)
+    cfg, origin = config_and_origin(args)
     reporter = make_reporter(sys.stderr, mode=cfg.progress, interval_s=cfg.progress_interval_s)
     try:
-        result = up(cfg, on_event=reporter)
+        result = up(cfg, on_event=reporter, origin=origin)
         results_dir = cfg.results / result.run_id
         doc = result_document(result, results_dir)
         atomic_write_json(results_dir / RESULT_FILE, doc)
