@@ -11,7 +11,7 @@ import shutil
 import time
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, Mapping, NamedTuple
 
 from launcher import config as config_mod
 from launcher.backends import backend_class
@@ -79,11 +79,14 @@ class Prepared(NamedTuple):
 
 
 def prepare(cfg: RunConfig, stack: ExitStack, *, report: Callable[[str], None] | None = None,
-            on_event: Callable[[str, dict[str, Any]], None] | None = None) -> Prepared:
+            on_event: Callable[[str, dict[str, Any]], None] | None = None,
+            origin: Mapping[str, str] | None = None) -> Prepared:
     """Validate, make the run's backend, plan, reserve, check that the env can be made where the groups will run,
     and write the run's files (``plan.json`` with what the backend will start: :meth:`Backend.specs`). Returns the
-    run with its backend. ``on_event`` hears of an image build the env check needs first."""
-    config_mod.check(cfg)
+    run with its backend. ``on_event`` hears of an image build the env check needs first. ``origin`` (where each
+    value came from) lets the check refuse a backend option set for another backend
+    (:func:`launcher.config.checks.backend_mismatch`); a resumed run has none (its values are its own record's)."""
+    config_mod.check(cfg, origin)
     backend_name, why = choose_backend(cfg.backend)
     chosen = backend_class(backend_name)
     if cfg.detach and not chosen.outlives_launcher:
@@ -189,13 +192,14 @@ def resume_config(cfg_flags: dict[str, Any], results: Path, run: str) -> RunConf
 
 
 def up(cfg: RunConfig, *, on_event: Callable[[str, dict[str, Any]], None] | None = None,
-       stop_signal: StopSignal | None = None) -> RunResult:
-    """Run ``cfg`` to the end (attached). Raises LauncherError subclasses for problems before the start."""
+       stop_signal: StopSignal | None = None, origin: Mapping[str, str] | None = None) -> RunResult:
+    """Run ``cfg`` to the end (attached). Raises LauncherError subclasses for problems before the start.
+    ``origin``: where each value came from (:func:`launcher.config.load_config`), for :func:`prepare`'s check."""
     with ExitStack() as stack:
         stopper = stop_signal or StopSignal()
         stopper.install()  # a Ctrl-C during planning still tears down cleanly
         stack.callback(stopper.restore)
-        run, backend, why = prepare(cfg, stack, on_event=on_event,
+        run, backend, why = prepare(cfg, stack, on_event=on_event, origin=origin,
                                     report=(lambda line: on_event("event", {"message": line})) if on_event else None)
         if on_event:
             on_event("event", {"message": why})

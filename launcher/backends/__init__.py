@@ -6,29 +6,45 @@ them the same way, and ``status``/``logs``/``down`` (:mod:`launcher.lifecycle`) 
 :class:`~launcher.backends.base.FoundRun` its backend gives.
 
 This module is the one table of backends by name (``run.json`` records the name); ``--backend``'s choices
-(:data:`launcher.config.BACKENDS`) are derived from it. It imports nothing of the backends at load (the config
-package reads the table, and the backends' base reads the config).
+(:data:`launcher.config.BACKENDS`) are derived from it, and so are the ``launcher up`` options only one backend
+reads: each backend declares its own in a light options module the table names (``docker_options``,
+``swarm_options``, ``slurm_options``; :func:`backend_options`), and :mod:`launcher.config.options` adds them
+to the options every run has. It imports nothing of the backends at load (the config package reads the table,
+and the backends' base reads the config); the options modules import only :class:`launcher.option.Option`.
 """
 
 from __future__ import annotations
 
 import importlib
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from launcher.errors import BadInput
 
 if TYPE_CHECKING:
     from launcher.backends.base import Backend, FoundRun
+    from launcher.option import Option
     from launcher.runs import RunDir
 
-# name -> (module, class); imported on first use (the Docker SDK stays out of `launcher --help`).
-BACKENDS: dict[str, tuple[str, str]] = {
-    "process": ("launcher.backends.process", "ProcessBackend"),
-    "docker": ("launcher.backends.docker", "DockerBackend"),
-    "swarm": ("launcher.backends.swarm", "SwarmBackend"),
-    "slurm": ("launcher.backends.slurm", "SlurmBackend"),
+
+class Entry(NamedTuple):
+    """One backend: its class (imported on first use: the Docker SDK stays out of `launcher --help`) and the
+    light module whose ``OPTIONS`` are the ``launcher up`` options only it reads (None: it has none)."""
+
+    module: str
+    cls: str
+    options: str | None = None
+
+
+BACKENDS: dict[str, Entry] = {
+    "process": Entry("launcher.backends.process", "ProcessBackend"),
+    "docker": Entry("launcher.backends.docker", "DockerBackend", "launcher.backends.docker_options"),
+    "swarm": Entry("launcher.backends.swarm", "SwarmBackend", "launcher.backends.swarm_options"),
+    "slurm": Entry("launcher.backends.slurm", "SlurmBackend", "launcher.backends.slurm_options"),
 }
+# What `--backend auto` can pick (launcher.up.choose_backend): Docker when an engine answers, else processes.
+# An option only other backends declare cannot apply to an auto run (launcher.config.checks.backend_mismatch).
+AUTO_PICKS = ("docker", "process")
 # Who to ask about a run known only by its labels: services first (a swarm run's task containers carry the
 # same labels as a Docker run's containers).
 _BY_LABEL = ("swarm", "docker")
@@ -43,9 +59,19 @@ def backend_class(name: str) -> type[Backend]:
     """
     if name not in BACKENDS:
         raise BadInput(f"unknown backend {name!r}", hint=f"choose auto, {', '.join(BACKENDS)}")
-    module, cls = BACKENDS[name]
+    module, cls = BACKENDS[name][:2]
     found: type[Backend] = getattr(importlib.import_module(module), cls)
     return found
+
+
+def backend_options() -> dict[str, tuple[Option, ...]]:
+    """Each backend's own ``launcher up`` options, by backend name in the table's order (an option two backends
+    read, such as ``--image``, is in both). Imports only the light options modules."""
+    out: dict[str, tuple[Option, ...]] = {}
+    for name, entry in BACKENDS.items():
+        module = entry[2] if len(entry) > 2 else None  # a bare (module, class) pair declares none
+        out[name] = tuple(importlib.import_module(module).OPTIONS) if module else ()
+    return out
 
 
 def find(run_id: str, run_dir: RunDir | None, record: dict[str, Any]) -> FoundRun:

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 from launcher.backends.base import Part, PartState, PreparedRun
 from launcher.backends.containers import UNPRIVILEGED_UID_GID, Kind, worker_env
 from launcher.backends.specs import HOST_ENV, LaunchSpecs, PartSpec
-from launcher.config.options import SLURM_RUNTIMES
+from launcher.backends.slurm_options import SLURM_RUNTIMES
 from launcher.errors import BadInput, NoResources
 from launcher.gpu.placement import GroupPlan, Plan, ProcessShare, split_evenly
 from launcher.slurm.model import ClusterView, JobInfo, NodeInfo

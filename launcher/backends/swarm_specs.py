@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from launcher.backends.base import PartState, PreparedRun
 from launcher.backends.specs import LaunchSpecs, Mount, PartSpec
-from launcher.config import SWARM_GROUPS
+from launcher.backends.swarm_options import SWARM_GROUPS
 from launcher.backends.containers import (MASTER_PORT, Kind, group_limits, group_name, labels, master_limits,
                                           master_name, nano_cpus, network_name, worker_env)
 from launcher.engine.labels import part_name

@@ -20,6 +20,8 @@ from launcher import gpu
 from launcher.backends.base import PreparedRun
 from launcher.backends.specs import LaunchSpecs, format_specs
 from launcher.config import RunConfig, gpu_request, load_config
+from launcher.config.checks import backend_mismatch
+from launcher.errors import ConfigErrors
 from launcher.gpu.nvml import GpuInfo
 from launcher.gpu.placement import Plan, PlanRequest
 from launcher.runs import RunDir
@@ -94,7 +96,10 @@ def format_plan(plan: Plan) -> str:
 def run(args: argparse.Namespace) -> int:
     from launcher.cli.up import flags_from_args
 
-    cfg, _ = load_config(flags_from_args(args), config_path=args.config)
+    cfg, origin = load_config(flags_from_args(args), config_path=args.config)
+    mismatch = backend_mismatch(cfg, origin)  # what `up` would refuse: an option of a backend not chosen
+    if mismatch:
+        raise ConfigErrors(mismatch, hint="nothing was planned; fix the options above and run again")
     request = gpu_request(cfg)  # every option problem at once, before reading any GPU
     outcome = gpu.preview(request)
     specs, why = launch_specs(cfg, outcome.plan)

@@ -14,46 +14,64 @@ from pathlib import Path
 from typing import Any
 
 from launcher import __version__
-from launcher.config import DEFAULTS, OPTIONS, RunConfig, load_config, parse_hparam
-from launcher.config.options import parse_env_arg
+from launcher.config import DEFAULTS, OPTIONS, Option, RunConfig, load_config, parse_hparam
+from launcher.config.options import OWNERS, parse_env_arg
 from launcher.errors import BadInput
 from launcher.schemas import RESULT_SCHEMA
 from worker.contract import RESULT_FILE
 
 _EPILOG = ("Every option can also be set in launcher.toml ([up] table, key = flag name) or as LAUNCHER_<NAME> "
            "(e.g. LAUNCHER_MAX_STEPS); flags override the environment, which overrides the file. "
-           "`launcher config show` prints the result. Exit codes: docs/operator.md.")
+           "`launcher config show` prints the result. The options under \"options of --backend X\" are that "
+           "backend's own: set for another backend, `up` refuses them (exit 2); with --backend auto, those of "
+           "docker apply when an engine answers. Exit codes: docs/operator.md.")
 
 
 def add_up_options(p: argparse.ArgumentParser, *, exclude: tuple[str, ...] = (),
                    only: tuple[str, ...] | None = None) -> None:
     """The ``up`` options (shared with ``launcher config show``; ``launcher plan`` takes ``only`` the
-    placement ones, and no ``--set``). Every default is None: "not given"."""
+    placement ones, and no ``--set``). Every default is None: "not given". Each backend's own options
+    (:data:`launcher.config.options.OWNERS`) are listed under their backends in ``--help``."""
+    groups: dict[tuple[str, ...], Any] = {}
     for opt in OPTIONS:
         if opt.name in exclude or (only is not None and opt.name not in only):
             continue
-        default = getattr(DEFAULTS, opt.field)
-        shown = "none" if default is None else default
-        if opt.kind == "bool":
-            p.add_argument(opt.flag, dest=opt.field, action="store_const", const=True, default=None,
-                           help=f"{opt.help} [env {opt.env_var}]")
-        elif opt.kind == "list":
-            p.add_argument(opt.flag, dest=opt.field, action="append", default=None, metavar=opt.metavar,
-                           help=f"{opt.help} [env {opt.env_var}, whitespace-separated]".replace("%", "%%"))
-        else:
-            optional_value: dict[str, Any] = {"nargs": "?", "const": opt.const} if opt.const else {}
-            p.add_argument(opt.flag, dest=opt.field, default=None, metavar=opt.metavar,
-                           choices=opt.choices or None, **optional_value,
-                           help=f"{opt.help} [{shown}; env {opt.env_var}]".replace("%", "%%"))
+        owners = OWNERS.get(opt.name, ())
+        if owners and owners not in groups:
+            names = owners[0] if len(owners) == 1 else f"{', '.join(owners[:-1])} or {owners[-1]}"
+            groups[owners] = p.add_argument_group(f"options of --backend {names}")
+        _add_option(groups[owners] if owners else p, opt)
     if only is None:
-        p.add_argument("--set", dest="hparams", action="append", default=None, metavar="KEY=VALUE",
-                       help="algorithm hyper-parameter, e.g. --set lr=3e-4 (repeatable; file: [up.hparams]); "
-                            "--set help lists them with their docs and exits")
-        p.add_argument("--env-arg", dest="env_args", action="append", default=None, metavar="KEY=VALUE",
-                       help="keyword argument for gymnasium.make, e.g. --env-arg use_lidar=false; the value is "
-                            "true/false, a number, a quoted or bare string (repeatable; file: [up.env_args])")
+        _add_free_options(p)
     p.add_argument("--config", default=None, metavar="FILE",
                    help="TOML config file [./launcher.toml if present; env LAUNCHER_CONFIG]")
+
+
+def _add_option(p: Any, opt: Option) -> None:
+    """One option's flag on ``p`` (the parser or one of its argument groups)."""
+    default = getattr(DEFAULTS, opt.field)
+    shown = "none" if default is None else default
+    if opt.kind == "bool":
+        p.add_argument(opt.flag, dest=opt.field, action="store_const", const=True, default=None,
+                       help=f"{opt.help} [env {opt.env_var}]")
+    elif opt.kind == "list":
+        p.add_argument(opt.flag, dest=opt.field, action="append", default=None, metavar=opt.metavar,
+                       help=f"{opt.help} [env {opt.env_var}, whitespace-separated]".replace("%", "%%"))
+    else:
+        optional_value: dict[str, Any] = {"nargs": "?", "const": opt.const} if opt.const else {}
+        p.add_argument(opt.flag, dest=opt.field, default=None, metavar=opt.metavar,
+                       choices=opt.choices or None, **optional_value,
+                       help=f"{opt.help} [{shown}; env {opt.env_var}]".replace("%", "%%"))
+
+
+def _add_free_options(p: argparse.ArgumentParser) -> None:
+    """``--set`` and ``--env-arg``: free key=value pairs, not declared options."""
+    p.add_argument("--set", dest="hparams", action="append", default=None, metavar="KEY=VALUE",
+                   help="algorithm hyper-parameter, e.g. --set lr=3e-4 (repeatable; file: [up.hparams]); "
+                        "--set help lists them with their docs and exits")
+    p.add_argument("--env-arg", dest="env_args", action="append", default=None, metavar="KEY=VALUE",
+                   help="keyword argument for gymnasium.make, e.g. --env-arg use_lidar=false; the value is "
+                        "true/false, a number, a quoted or bare string (repeatable; file: [up.env_args])")
 
 
 def register(sub: Any) -> None:
@@ -85,14 +103,19 @@ def flags_from_args(args: argparse.Namespace) -> dict[str, Any]:
 
 def config_from_args(args: argparse.Namespace) -> RunConfig:
     """The RunConfig of ``launcher up ARGS``: file < environment < flags, or the saved run's with --resume."""
+    return config_and_origin(args)[0]
+
+
+def config_and_origin(args: argparse.Namespace) -> tuple[RunConfig, dict[str, str] | None]:
+    """:func:`config_from_args` and where each value came from (None with --resume: the run's own record)."""
     from launcher.up import resume_config
 
     flags = flags_from_args(args)
-    cfg, _ = load_config(flags, config_path=args.config)
+    cfg, origin = load_config(flags, config_path=args.config)
     if args.resume:
         # The config file and environment only say where the results root is; the run keeps its own values.
-        return resume_config(flags, cfg.results, args.resume)
-    return cfg
+        return resume_config(flags, cfg.results, args.resume), None
+    return cfg, origin
 
 
 def result_document(result: Any, results_dir: Path) -> dict[str, Any]:
@@ -112,10 +135,10 @@ def run(args: argparse.Namespace) -> int:
         args.hparams = [h for h in args.hparams if h != "help"]
         sys.stdout.write(hparam_help(config_from_args(args)) + "\n")
         return 0
-    cfg = config_from_args(args)
+    cfg, origin = config_and_origin(args)
     reporter = make_reporter(sys.stderr, mode=cfg.progress, interval_s=cfg.progress_interval_s)
     try:
-        result = up(cfg, on_event=reporter)
+        result = up(cfg, on_event=reporter, origin=origin)
         results_dir = cfg.results / result.run_id
         doc = result_document(result, results_dir)
         atomic_write_json(results_dir / RESULT_FILE, doc)

@@ -5,11 +5,14 @@ from __future__ import annotations
 import os
 import socket
 from pathlib import Path
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
+from launcher.backends import AUTO_PICKS
 from launcher.errors import BadInput, ConfigErrors
-from launcher.config.options import BACKENDS, MAX_WORKERS, PROGRESS_MODES, SLURM_RUNTIMES, RunConfig, check_env_args
+from launcher.backends.slurm_options import SLURM_RUNTIMES
+from launcher.config.options import (BACKENDS, MAX_WORKERS, OPTIONS, OWNERS, PROGRESS_MODES, RunConfig, _toml,
+                                     check_env_args)
 from worker.algorithms.hparams import resolve as resolve_hparams
 from worker.contract import ACTING, ALGOS, plain_env_id
 
@@ -46,9 +49,13 @@ def gpu_request(cfg: RunConfig) -> GpuRequest:
 
 
 # ------------------------------------------------------------------------------------------ validation
-def validate(cfg: RunConfig) -> list[str]:
-    """Every problem with ``cfg``, as sentences with the value seen. Empty when it is runnable."""
+def validate(cfg: RunConfig, origin: Mapping[str, str] | None = None) -> list[str]:
+    """Every problem with ``cfg``, as sentences with the value seen. Empty when it is runnable. With ``origin``
+    (where each value came from, :func:`launcher.config.load_config`), also every backend option set for a
+    backend this run does not use (:func:`backend_mismatch`)."""
     problems: list[str] = []
+    if origin is not None:
+        problems.extend(backend_mismatch(cfg, origin))
     if not 1 <= cfg.workers <= MAX_WORKERS:
         problems.append(f"--workers must be between 1 and {MAX_WORKERS}, got {cfg.workers}")
     problems.extend(_check_code(cfg))
@@ -145,9 +152,54 @@ def _check_slurm(cfg: RunConfig) -> list[str]:
     return problems
 
 
-def check(cfg: RunConfig) -> None:
-    """Raise :class:`ConfigErrors` listing every problem in ``cfg``."""
-    problems = validate(cfg)
+def backend_mismatch(cfg: RunConfig, origin: Mapping[str, str]) -> list[str]:
+    """One problem per backend option (:data:`launcher.config.options.OWNERS`) the user set, by flag, config file
+    or ``LAUNCHER_*`` variable, for a backend this run does not use: it would be silently ignored. Each names the
+    option, the value, its source, the backend(s) it belongs to, the backend chosen and what to do.
+
+    ``--backend auto`` is decided here, before the engine is asked: auto picks only
+    :data:`launcher.backends.AUTO_PICKS` (Docker when an engine answers, else processes), so an option none of
+    those reads (``--slurm-*``, ``--swarm-*``) is a problem whatever auto picks; one the Docker backend reads
+    (``--image``, ``--with``, ``--build``) is not: it applies when auto picks Docker, and a file meant for both
+    kinds of host stays valid. A value ``launcher up`` only inherits from the file's ``[build]`` table
+    (``with``; origin ``file PATH [build]``) is ``launcher build``'s, never a problem here."""
+    chosen = cfg.backend
+    picks = AUTO_PICKS if chosen == "auto" else (chosen,)
+    backend_from = origin.get("backend", "default")
+    uses = (f"--backend auto ({_source(backend_from)}), which picks {' or '.join(AUTO_PICKS)}" if chosen == "auto"
+            else f"--backend {chosen} ({_source(backend_from)})")
+    problems = []
+    for opt in OPTIONS:
+        owners = OWNERS.get(opt.name, ())
+        source = origin.get(opt.field, "default")
+        if not owners or source == "default" or source.endswith("[build]") or set(owners) & set(picks):
+            continue
+        value: Any = getattr(cfg, opt.field)
+        shown = "none" if value is None else " ".join(value) if isinstance(value, tuple) else str(value)
+        kind, _, where = source.partition(" ")
+        if kind == "env":
+            seen, fix = f"{opt.env_var}={shown} (environment)", f"unset {opt.env_var}"
+        elif kind == "file":
+            seen = f"{opt.name} = {_toml(list(value) if isinstance(value, tuple) else value)} ({where} [up])"
+            fix = f"remove {opt.name} from {where}"
+        else:
+            seen, fix = f"{opt.flag} {shown} (flag)", f"drop {opt.flag}"
+        belongs = "--backend " + (owners[0] if len(owners) == 1 else f"{', '.join(owners[:-1])} or {owners[-1]}")
+        problems.append(f"{seen} is an option of {belongs}; this run uses {uses}: {fix} or run with "
+                        f"{belongs}")
+    return problems
+
+
+def _source(origin: str) -> str:
+    """``flag --backend`` -> ``flag``, ``env LAUNCHER_BACKEND`` -> ``LAUNCHER_BACKEND``, ``file P`` -> ``P``."""
+    kind, _, where = origin.partition(" ")
+    return {"flag": "flag", "default": "default"}.get(kind, where or kind)
+
+
+def check(cfg: RunConfig, origin: Mapping[str, str] | None = None) -> None:
+    """Raise :class:`ConfigErrors` listing every problem in ``cfg`` (with ``origin``: backend options set for
+    another backend too, :func:`backend_mismatch`)."""
+    problems = validate(cfg, origin)
     if problems:
         raise ConfigErrors(problems, hint="nothing was started; fix the values above and run again")
 

@@ -22,6 +22,7 @@ class FileValues:
     path: Path | None
     values: dict[str, Any] = field(default_factory=dict)
     problems: tuple[str, ...] = ()
+    from_build: tuple[str, ...] = ()  # fields only inherited from the [build] table (``with``), not set in [up]
 
 
 def find_config_file(explicit: str | Path | None, *, environ: Mapping[str, str] | None = None,
@@ -80,9 +81,11 @@ def read_config_file(path: Path) -> FileValues:
             values[opt.field] = coerce(opt, value, strict=True)
         except ValueError as exc:
             problems.append(f"{where}: [up] {key} = {_toml(value)}: {exc}")
+    inherited: tuple[str, ...] = ()
     if "with" in build and "with_packages" not in values:  # `up` runs on the image `launcher build` made
         values["with_packages"] = build["with"]
-    return FileValues(path, values, tuple(problems))
+        inherited = ("with_packages",)
+    return FileValues(path, values, tuple(problems), inherited)
 
 
 BUILD_KEYS = ("with",)
@@ -142,15 +145,19 @@ def load_config(flags: Mapping[str, Any], *, config_path: str | Path | None = No
 
     Returns:
         (config, origin): origin maps each field to ``default``, ``file PATH``, ``env LAUNCHER_X`` or
-        ``flag --x``.
+        ``flag --x`` (``file PATH [build]``: ``with`` only inherited from the file's ``[build]`` table).
 
     Raises:
         ConfigErrors: every unknown key and wrong value, each naming the key, the value and its source.
     """
     path, named = find_config_file(config_path, environ=environ, cwd=cwd)
     file = read_config_file(path) if path is not None else FileValues(None)
-    return resolve_config(flags, file_values=file.values, environ=environ,
-                          file_label=str(path) if path else "file", extra_problems=file.problems)
+    cfg, origin = resolve_config(flags, file_values=file.values, environ=environ,
+                                 file_label=str(path) if path else "file", extra_problems=file.problems)
+    for name in file.from_build:  # still the file's value: say it is the [build] table's
+        if origin.get(name, "").startswith("file "):
+            origin[name] += " [build]"
+    return cfg, origin
 
 
 def resolve_config(flags: Mapping[str, Any], *, file_values: Mapping[str, Any] | None = None,

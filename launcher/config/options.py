@@ -1,5 +1,10 @@
 """Every ``launcher up`` option declared once (:data:`OPTIONS`), the typed :class:`RunConfig` they fill, and
-how one value is read (:func:`coerce`, :func:`parse_hparam`). The package docstring says how the layers fit."""
+how one value is read (:func:`coerce`, :func:`parse_hparam`). The package docstring says how the layers fit.
+
+The options every run has are declared here (:data:`COMMON_OPTIONS`); an option only some backends read is
+declared by each of them (:func:`launcher.backends.backend_options`, one light module per backend named in the
+registry) and added here, with :data:`OWNERS` saying which backends read it. ``--backend``'s choices come from
+the same registry."""
 
 from __future__ import annotations
 
@@ -11,15 +16,13 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from launcher.backends import BACKENDS as _REGISTRY
+from launcher.backends import backend_options
 from launcher.errors import BadInput
+from launcher.option import Option
 from launcher.units import parse_duration, parse_size
-from worker.contract import ACTING, ALGOS, DEFAULT_MAX_UTILIZATION_PCT, DEFAULT_MIN_FREE_MEMORY, SWARM_MASTER
-
-SWARM_GROUPS = ("spread", "any")  # --swarm-groups (launcher.backends.swarm_specs.group_placement)
-
+from worker.contract import ACTING, ALGOS, DEFAULT_MAX_UTILIZATION_PCT, DEFAULT_MIN_FREE_MEMORY
 
 BACKENDS = ("auto", *_REGISTRY)  # --backend: auto, then every backend of the one table (launcher.backends)
-SLURM_RUNTIMES = ("auto", "docker", "process")  # --slurm-runtime (launcher.backends.slurm_specs.task_command)
 PROGRESS_MODES = ("auto", "live", "plain", "off")
 MAX_WORKERS = 1024
 CONFIG_FILE_NAME = "launcher.toml"
@@ -96,35 +99,7 @@ FIELD_TYPES: dict[str, Any] = {f.name: f.type for f in dataclasses.fields(RunCon
 DEFAULTS = RunConfig()
 
 
-@dataclass(frozen=True)
-class Option:
-    """One ``launcher up`` option: flag ``--<name>``, file key ``<name>``, variable ``LAUNCHER_<NAME>``.
-
-    kind: how text and TOML values are read: ``int``, ``float``, ``str``, ``bool``, ``path``,
-    ``duration`` (seconds, or text like ``15m``), ``size`` (``8GiB``), ``choice`` or ``list`` (of strings: a
-    repeatable flag, a TOML array, whitespace-separated in a ``LAUNCHER_*`` variable).
-    nullable: ``"none"`` means "no value" (no limit, no target).
-    """
-
-    name: str
-    field: str
-    kind: str
-    help: str
-    choices: tuple[str, ...] = ()
-    nullable: bool = False
-    metavar: str | None = None
-    const: str | None = None  # the value of the bare flag, which then takes an optional value (--wait)
-
-    @property
-    def flag(self) -> str:
-        return f"--{self.name}"
-
-    @property
-    def env_var(self) -> str:
-        return "LAUNCHER_" + self.name.upper().replace("-", "_")
-
-
-OPTIONS: tuple[Option, ...] = (
+COMMON_OPTIONS: tuple[Option, ...] = (  # every run reads these, whatever its backend
     Option("env", "env_id", "str", "gymnasium env id, e.g. CartPole-v1, launcher/Snake-v0, ALE/Pong-v5, or "
            "module:EnvId to import the module that registers it first (flappy_bird_gymnasium:FlappyBird-v0)",
            metavar="ID"),
@@ -161,28 +136,8 @@ OPTIONS: tuple[Option, ...] = (
            metavar="N"),
     Option("min-free-memory", "min_free_memory", "size", "least free memory per GPU, e.g. 8GiB", metavar="SIZE"),
     Option("max-utilization", "max_utilization", "float", "highest GPU utilization, percent", metavar="PCT"),
-    Option("image", "image", "str", "container image (docker/swarm backends)", nullable=True, metavar="IMAGE"),
     Option("env-dir", "env_dir", "path", "a directory of your own env modules: put on PYTHONPATH of every process "
            "and mounted read-only into containers", nullable=True, metavar="DIR"),
-    Option("with", "with_packages", "list", "docker/swarm: run on the image with this package added (a pip "
-           "requirement or a wheel file; repeatable; built FROM the base image as by `launcher build --with`; "
-           "file: [up] with = [...] or [build] with = [...])", metavar="PKG"),
-    Option("build", "build", "choice", "docker backend: how a missing image is built; auto: online when a registry "
-           "answers, else offline (debootstrap base + host-side wheels)", choices=("auto", "online", "offline")),
-    Option("swarm-master", "swarm_master", "choice", "swarm backend: the master's node; auto: a node labelled "
-           "launcher.storage=true if any, else this one (docs/scaling-out.md)", choices=SWARM_MASTER),
-    Option("swarm-groups", "swarm_groups", "choice", "swarm backend: where worker groups run; spread: off the "
-           "master's node when other ready nodes can hold them; any: wherever the scheduler likes",
-           choices=SWARM_GROUPS),
-    Option("slurm-partition", "slurm_partition", "str", "slurm backend: the partition to submit to (default: the "
-           "cluster's default partition)", nullable=True, metavar="NAME"),
-    Option("slurm-nodes", "slurm_nodes", "int", "slurm backend: nodes of the run's job ('none': one per group, as many "
-           "as the partition has usable)", nullable=True, metavar="N"),
-    Option("slurm-runtime", "slurm_runtime", "choice", "slurm backend: where each step runs on its node; docker: the "
-           "run's image on the node's Docker engine; process: python -m worker from the shared venv; auto: docker "
-           "where the node's engine answers, else process", choices=SLURM_RUNTIMES),
-    Option("slurm-arg", "slurm_args", "list", "slurm backend: one more sbatch option for the run's job, e.g. "
-           "--slurm-arg=--account=lab --slurm-arg=--qos=normal (repeatable)", metavar="OPTION"),
     Option("lock-dir", "lock_dir", "path", "GPU reservation lock directory", nullable=True, metavar="DIR"),
     Option("allow-other-users", "allow_other_users", "bool",
            "use GPUs where other users' processes run (default: skip them)"),
@@ -205,6 +160,17 @@ OPTIONS: tuple[Option, ...] = (
     Option("progress-interval", "progress_interval_s", "duration", "seconds between plain progress lines",
            metavar="DURATION"),
 )
+# Each backend's own options (its options module, named in the registry), by backend name.
+BACKEND_OPTIONS: dict[str, tuple[Option, ...]] = backend_options()
+# The backends that read each backend option, by option name (an option in no entry is common to every run).
+OWNERS: dict[str, tuple[str, ...]] = {}
+for _backend, _options in BACKEND_OPTIONS.items():
+    for _opt in _options:
+        OWNERS.setdefault(_opt.name, ())
+        OWNERS[_opt.name] += (_backend,)
+# Every option: the common ones, then each backend's (one entry for an option several backends read).
+OPTIONS: tuple[Option, ...] = (*COMMON_OPTIONS,
+                               *{o.name: o for opts in BACKEND_OPTIONS.values() for o in opts}.values())
 BY_NAME: dict[str, Option] = {o.name: o for o in OPTIONS}
 # The options that decide GPUs and placement: `launcher plan` takes exactly these (and --config), so it
 # shows the plan `up` would make from the same file, environment and flags.
