@@ -261,7 +261,7 @@ class DockerBackend(Backend):
         for cid in self.group_ids.values():
             self.engine.start(cid)
         log.info("started run %s: master %s and %d group containers on network %s", run.run_id,
-                 self.master_id[:12], len(self.group_ids), network_name(run.run_id))
+                 (self.master_id or "")[:12], len(self.group_ids), network_name(run.run_id))
 
     def poll(self) -> BackendStatus:
         """The master's and each group's state from ``docker inspect``; restarts as the engine counts them plus
