@@ -8,9 +8,10 @@ One run is, on the engine:
 * a master container ``launcher-<run id>-master`` with the run's results directory bind-mounted at
   ``/results``; it listens on 0.0.0.0:7100 of that network only;
 * one container per worker group ``launcher-<run id>-group-<N>``, its GPUs handed over by UUID
-  (``NVIDIA_VISIBLE_DEVICES`` and a DeviceRequest), its CPUs limited (``nano_cpus``), restarted by the
-  engine (``on-failure`` with the run's restart budget). A group the policy does not restart (a
-  ``docker kill`` counts as a manual stop) is restarted by the supervisor after :attr:`restart_grace_s`.
+  (``NVIDIA_VISIBLE_DEVICES`` and a DeviceRequest), its CPUs limited (``nano_cpus``). A group that dies is
+  restarted by the supervisor within the run's restart budget (no engine restart policy, so a group that
+  exited 4 or 5 is never restarted: :func:`group_restart_max`); a detached run, which has no supervisor,
+  gets the engine's ``on-failure`` policy with the budget instead.
 
 Every container runs as the invoking user with no capabilities, ``no-new-privileges``, a read-only root
 file system and memory and pids limits (:func:`~launcher.backends.containers.master_limits`), reads the run
@@ -112,7 +113,7 @@ def container_specs(run: PreparedRun, *, image: str, gpu_runtime: bool, uid_gid:
             environment={**secret_env, **env},
             labels=labels(rid, results, "group", group=g.index, gpus=g.share.gpu_uuids, uid=uid),
             network=net, user=user, nano_cpus=nano_cpus(g.share.cpus, engine_cpus),
-            gpu_uuids=g.share.gpu_uuids if gpu_runtime else (), restart_max=run.config.restart_budget,
+            gpu_uuids=g.share.gpu_uuids if gpu_runtime else (), restart_max=group_restart_max(run),
             read_only_binds=secret_bind, memory_bytes=glim.memory_bytes, pids_limit=glim.pids,
         ))
     return master, groups
@@ -128,6 +129,14 @@ def launch_specs(run: PreparedRun, master: ContainerSpec, groups: list[Container
                                   *(part(f"group-{g.index}", cs, g.share) for g, cs in zip(run.plan.groups, groups))))
 
 
+def group_restart_max(run: PreparedRun) -> int | None:
+    """The engine's restart policy for the run's groups: none for an attached run, whose supervisor restarts a
+    dead group itself (the budget counted in one place, and a group that exited 4 (secret refused) or 5 (the
+    user's code raised) is never restarted: Docker's ``on-failure`` cannot tell exit codes apart); ``on-failure``
+    with the budget for a detached run, which has no supervisor."""
+    return run.config.restart_budget if run.config.detach else None
+
+
 def check_gpu_runtime(plan: Plan, runtimes: tuple[str, ...]) -> None:
     """Raise MissingDependency when ``plan`` uses GPUs and the engine has no NVIDIA runtime."""
     if plan.gpu_uuids and "nvidia" not in runtimes:
@@ -141,7 +150,7 @@ class DockerBackend(Backend):
     """Runs a :class:`PreparedRun` as containers (like ``docker network create`` + ``docker run`` each)."""
 
     name = "docker"
-    restart_grace_s = 5.0  # the engine's on-failure back-off starts at 100 ms and doubles per failure
+    restart_grace_s = 0.0  # an attached run's groups have no engine restart policy: the supervisor restarts them
     outlives_launcher = True
     recovers_master = True
 
@@ -176,6 +185,7 @@ class DockerBackend(Backend):
         self.master_id: str | None = None
         self._stopped = False
         self._created = False  # whether this backend created anything on the engine that stop() must remove
+        self._master_restarts = 0  # new masters started in place of a dead one (restart_master)
         self._own_restarts: dict[int, int] = {}  # group -> restarts done through restart_group
         self._master_stop_seen = False  # idle() saw the master stop; from then on it only sleeps
 
@@ -267,7 +277,7 @@ class DockerBackend(Backend):
         """The master's and each group's state from ``docker inspect``; restarts as the engine counts them plus
         the supervisor's own. Only reads."""
         assert self.master_id is not None
-        return BackendStatus(container_part("master", self.engine.inspect(self.master_id)),
+        return BackendStatus(container_part("master", self.engine.inspect(self.master_id), self._master_restarts),
                              {i: container_part(f"group-{i}", self.engine.inspect(cid), self._own_restarts.get(i, 0))
                               for i, cid in self.group_ids.items()})
 
@@ -287,6 +297,7 @@ class DockerBackend(Backend):
         environment and secret are the same, so the groups reconnect to it. It takes the GPU leases again as at
         the start; one taken by another run in the gap ends this run (NoResources), as at the start."""
         self._master_stop_seen = False
+        self._master_restarts += 1
         self._start_master()
 
     def _start_master(self) -> None:
@@ -304,8 +315,8 @@ class DockerBackend(Backend):
 
     def restart_group(self, index: int) -> None:
         """Start group ``index``'s exited container again (like ``docker start``)."""
+        self.engine.start(self.group_ids[index])  # counted once started: a start that failed spends no budget
         self._own_restarts[index] = self._own_restarts.get(index, 0) + 1
-        self.engine.start(self.group_ids[index])
 
     def stop(self, *, grace_s: float = 8.0) -> None:
         if self._stopped or self.run is None or not self._created:
@@ -317,7 +328,10 @@ class DockerBackend(Backend):
             log.warning("%s; waiting for the engine to remove run %s", exc.message, run.run_id)
 
         # An engine restarting right now is waited for: its containers and network must still go.
-        outlast_outage(lambda: teardown(self.engine, run.run_id, grace_s=grace_s, run_dir=run.run_dir),
+        restarted = {group_name(run.run_id, i): n for i, n in self._own_restarts.items()}
+        restarted[master_name(run.run_id)] = self._master_restarts
+        outlast_outage(lambda: teardown(self.engine, run.run_id, grace_s=grace_s, run_dir=run.run_dir,
+                                        restarted=restarted),
                        window_s=ENGINE_RESTART_WINDOW_S, poll_s=2.0, on_wait=again)
 
     def describe(self) -> dict[str, Any]:

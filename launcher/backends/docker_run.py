@@ -5,7 +5,7 @@ as parts, their logs, a ``down``), and :func:`teardown`, the one way its contain
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 
 from launcher.backends.base import DownReport, Part, PartState, part_order
@@ -93,13 +93,15 @@ def _follow_container(engine: Engine, cid: str, poll_s: float) -> Iterator[bytes
 
 
 def teardown(engine: Engine, run_id: str | None, *, grace_s: float = 8.0, run_dir: RunDir | None = None,
-             user: str | None = None) -> list[Container]:
+             user: str | None = None, restarted: Mapping[str, int] | None = None) -> list[Container]:
     """Stop and remove every container and network of ``run_id`` (None: of every run), found by label.
 
     The master gets SIGTERM first and ``grace_s`` seconds to checkpoint and tell its groups to stop (like
     ``docker stop -t``); then the groups; each container's output is appended to the run's ``logs/``
     (``run_dir``'s, or the ``launcher.results`` label's directory) before it is removed. Results stay.
-    Idempotent. ``user``: only runs labelled with this uid. Returns the containers it found.
+    Idempotent. ``user``: only runs labelled with this uid. ``restarted``: container name -> the times the
+    supervisor started it again (``docker start``, which the engine's restart count leaves out), for the logs'
+    headers. Returns the containers it found.
     """
     flt: dict[str, str | None] = {RUN_LABEL: run_id}
     if user is not None:
@@ -117,7 +119,9 @@ def teardown(engine: Engine, run_id: str | None, *, grace_s: float = 8.0, run_di
     for rid, group in by_run.items():
         target = logs_dir_for(run_dir if rid == run_id else None, group[0].labels)
         if target is not None:
-            save_logs([LogCopy(c.labels, f"output of container {c.name} ({c.short_id}), {c.restart_count} restart(s), "
+            extra = dict(restarted or {})
+            save_logs([LogCopy(c.labels, f"output of container {c.name} ({c.short_id}), "
+                                         f"{c.restart_count + extra.get(c.name, 0)} restart(s), "
                                          f"ended {c.status} exit {c.exit_code}", engine.logs(c.id)) for c in group],
                       target)
     for c in final:

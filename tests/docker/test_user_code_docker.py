@@ -4,6 +4,7 @@ anything of the run exists (issue 22 item 8)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -31,3 +32,23 @@ def test_user_code_is_checked_in_the_image_before_anything_starts(launcher_image
     assert "nothing was started" in proc.stderr
     assert not list(tmp_path.iterdir())  # no run directory
     assert ours(engine, tmp_path) == ([], [])  # the probe's container is gone, and no run container was made
+
+
+@pytest.mark.docker
+def test_a_group_whose_code_raises_is_not_restarted_by_the_engine(launcher_image: str, runs_under: Path,
+                                                                  engine: Engine) -> None:
+    """A group that exits 5 (the algorithm's code raised) would raise again: an attached Docker run's groups
+    have no engine restart policy (Docker's on-failure cannot tell exit codes apart), and the supervisor does not
+    restart it. The run fails with the actor's error; the group's saved log says it was never restarted."""
+    proc = run_launcher("up", "--backend", "docker", "--image", launcher_image, "--gpus", "none", "--workers", "2",
+                        "--groups", "2", "--algo", f"{CODE / 'reinforce.py'}:Reinforce", "--set", "fault=collect",
+                        "--max-steps", "100000", "--results", str(runs_under), "--json", timeout=300)
+    assert proc.returncode == 7, proc.stderr[-3000:]
+    assert "RuntimeError: the actor broke while collecting (fault=collect)" in proc.stdout
+    result = json.loads(proc.stdout)
+    assert set(result["restarts"].values()) == {0}, result["restarts"]
+    assert "restarting it" not in proc.stderr, proc.stderr[-3000:]
+    (run,) = [p for p in runs_under.iterdir() if not p.name.startswith(".")]
+    headers = [line for f in sorted((run / "logs").glob("group-*.log")) for line in f.read_text().splitlines()
+               if "output of container" in line]
+    assert headers and all(" 0 restart(s)" in h for h in headers), headers
