@@ -152,27 +152,30 @@ class FakeEngine:
         self.snaps[cid] = replace(self.snaps[cid], status="running", exit_code=None)
 
 
-def test_a_group_the_policy_ignores_is_started_again_within_budget(tmp_path: Path) -> None:
-    """`docker kill` counts as a manual stop, which the on-failure policy never restarts: the supervisor's
-    budget does, after the backend's grace, through the backend; poll itself never starts anything."""
+def test_a_dead_group_is_started_again_by_the_supervisor_within_budget(tmp_path: Path) -> None:
+    """An attached run's groups have no engine restart policy (Docker's on-failure cannot tell exit codes apart):
+    the supervisor's budget restarts a dead group at once (no grace to wait for an engine), through the backend;
+    poll itself never starts anything; a group that exited 5 (its algorithm raised) is never restarted."""
     run = prepared(tmp_path, budget=1)
     engine = FakeEngine({"m": snap("running"), "g0": snap("exited", 137), "g1": snap("running")})
     backend = DockerBackend("img", engine=engine)  # type: ignore[arg-type]
     backend.run, backend.master_id, backend.group_ids = run, "m", {0: "g0", 1: "g1"}
-    now = [0.0]
-    budget = Budget(run.config.restart_budget, backend.restart_grace_s, clock=lambda: now[0])
+    assert backend.restart_grace_s == 0
+    budget = Budget(run.config.restart_budget, backend.restart_grace_s, clock=lambda: 0.0)
     events: list[str] = []
     emit = lambda kind, data: events.append(data["message"])  # noqa: E731
     st = backend.poll()
     assert st.groups[0].state == PartState.FAILED and engine.started == [], "poll only reads"
-    assert budget.review(st, backend, emit).groups[0].state == PartState.RESTARTING and engine.started == []
-    now[0] = backend.restart_grace_s
-    budget.review(backend.poll(), backend, emit)
-    assert engine.started == ["g0"] and backend.poll().groups[0].restarts == 1
+    assert budget.review(st, backend, emit).groups[0].state == PartState.RESTARTING and engine.started == ["g0"]
+    assert backend.poll().groups[0].restarts == 1
     engine.snaps["g0"] = snap("exited", 137)
     seen = budget.review(backend.poll(), backend, emit)
     assert seen.groups[0].state == PartState.LOST and engine.started == ["g0"], "the budget (1) is spent"
     assert budget.lost == [0] and "restart budget (1) is spent" in events[-1]
+    engine.snaps["g1"] = snap("exited", 5)
+    seen = budget.review(backend.poll(), backend, emit)
+    assert seen.groups[1].state == PartState.LOST and engine.started == ["g0"], "exit 5 is never restarted"
+    assert "not restarted" in events[-1]
 
 
 class LeftoverEngine(FakeEngine):

@@ -1,6 +1,6 @@
 """Fault suite, worker deaths: SIGKILL worker groups again and again while CartPole PPO trains to a mean
-return of 475, on the process backend (the supervisor restarts them) and on the Docker backend (the
-engine's on-failure policy does).
+return of 475, on the process and the Docker backend (the supervisor restarts them on both; an attached
+Docker run's groups have no engine restart policy).
 
 Claims checked: the run still reaches its target; every kill shows in metrics.jsonl (``group_left`` and
 ``group_joined`` events), in the result's restart counts and in the logs; no checkpoint is lost or
@@ -166,8 +166,7 @@ def test_docker_groups_sigkilled_during_training_still_reach_475(tmp_path: Path,
     root.mkdir()
 
     def kill(run: Path, g: int) -> None:
-        # SIGKILL of the container's main process from the host, as a crash or the OOM killer would do
-        # (a `docker kill` counts as a manual stop, which the restart policy ignores).
+        # SIGKILL of the container's main process from the host, as a crash or the OOM killer would do.
         snap = wait_for(lambda: (s := engine.inspect(group_name(run.name, g))) and s.pid > 0 and s,
                         60, f"group {g}'s container to run")
         os.kill(snap.pid, signal.SIGKILL)
