@@ -84,6 +84,29 @@ def pythonpath(code: UserCode, inherited: str | None) -> str | None:
     return os.pathsep.join(parts) or None
 
 
+OWN_PREFIX = "LAUNCHER_"  # the launcher's own settings: never passed on to a run's processes
+
+
+def inherited_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """What a run's processes get of the launcher's environment: everything but its ``LAUNCHER_*`` settings."""
+    return {k: v for k, v in environ.items() if not k.startswith(OWN_PREFIX)}
+
+
+def code_env(code: UserCode, environ: Mapping[str, str]) -> dict[str, str]:
+    """``PYTHONPATH`` with the run's code directories (``--env-dir``, the directories of ``--algo``/``--model``
+    files) first, when there are any or the launcher has one."""
+    path = pythonpath(code, environ.get("PYTHONPATH"))
+    return {"PYTHONPATH": path} if path else {}
+
+
+def host_env(code: UserCode, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """What a run's processes started from this launcher get of its environment (and the env probe that stands
+    for them): everything but its own ``LAUNCHER_*`` settings (the secret goes in a pipe), with the run's code
+    directories first on ``PYTHONPATH``. (Slurm's steps get it too, through ``srun --export=ALL``.)"""
+    environ = os.environ if environ is None else environ
+    return {**inherited_env(environ), **code_env(code, environ)}
+
+
 def parse_probe(where: str, code: int, stdout: str, stderr: str, python: str = "python") -> EnvProbe:
     """The probe's result from its exit status and output (its last stdout line is a JSON document).
 
@@ -106,11 +129,8 @@ def parse_probe(where: str, code: int, stdout: str, stderr: str, python: str = "
 
 def probe_on_host(cfg: RunConfig, python: str, environ: Mapping[str, str] | None = None) -> EnvProbe:
     """Ask ``python`` (the process backend's interpreter) to make the env, with the groups' PYTHONPATH."""
-    env = dict(os.environ if environ is None else environ)
-    env = {k: v for k, v in env.items() if not k.startswith("LAUNCHER_")}
-    path = pythonpath(user_code(cfg), env.get("PYTHONPATH"))
-    if path:
-        env["PYTHONPATH"] = path
+    env = host_env(user_code(cfg), environ)
+    path = env.get("PYTHONPATH")
     where = f"this host's Python {python}" + (f", PYTHONPATH {path}" if path else "")
     try:
         argv = [*host_python(python, cfg.results, env), *probe_args(cfg)]

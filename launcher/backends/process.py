@@ -33,7 +33,7 @@ from launcher import safefs
 from launcher.backends import envcheck
 from launcher.backends.base import (Backend, BackendStatus, DownReport, Event, FoundRun, Part, PartState, PreparedRun,
                                     name_order)
-from launcher.backends.process_specs import inherited_env, process_specs
+from launcher.backends.process_specs import process_specs
 from launcher.backends.specs import LaunchSpecs, PartSpec
 from launcher.config import RunConfig
 from launcher.errors import BadInput
@@ -251,7 +251,7 @@ class ProcessBackend(Backend):
         logs = run.run_dir.files.logs
         logs.mkdir(exist_ok=True)
         specs = self.specs(run, port=port)
-        inherited = inherited_env(os.environ)
+        inherited = envcheck.inherited_env(os.environ)
 
         def env_of(part: PartSpec, **at_start: str) -> dict[str, str]:
             return {**inherited, **part.env, **at_start}

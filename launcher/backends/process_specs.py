@@ -4,48 +4,25 @@ the launcher sets over its own (:func:`process_specs`). :mod:`launcher.backends.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 
 from launcher.backends import envcheck
 from launcher.backends.base import PreparedRun
 from launcher.backends.containers import Kind, worker_env
 from launcher.backends.specs import HOST_ENV, LaunchSpecs, PartSpec
-from launcher.usercode import UserCode, user_code
+from launcher.usercode import user_code
 from worker.contract import LISTEN_FD_ENV, SECRET_FILE_ENV
-
-OWN_PREFIX = "LAUNCHER_"  # the launcher's own settings: never passed on to a run's processes
-
-
-def inherited_env(environ: Mapping[str, str]) -> dict[str, str]:
-    """What a run's processes get of the launcher's environment: everything but its ``LAUNCHER_*`` settings."""
-    return {k: v for k, v in environ.items() if not k.startswith(OWN_PREFIX)}
-
-
-def code_env(code: UserCode, environ: Mapping[str, str]) -> dict[str, str]:
-    """``PYTHONPATH`` with the run's code directories (``--env-dir``, the directories of ``--algo``/``--model``
-    files) first, when there are any or the launcher has one."""
-    path = envcheck.pythonpath(code, environ.get("PYTHONPATH"))
-    return {"PYTHONPATH": path} if path else {}
-
-
-def host_env(code: UserCode, environ: Mapping[str, str] | None = None) -> dict[str, str]:
-    """What a run's processes started from this launcher get of its environment: everything but its own
-    ``LAUNCHER_*`` settings (the secret goes in a pipe), with the run's code directories first on
-    ``PYTHONPATH``. (Slurm's steps get it too, through ``srun --export=ALL``.)"""
-    environ = os.environ if environ is None else environ
-    return {**inherited_env(environ), **code_env(code, environ)}
 
 
 def process_specs(run: PreparedRun, *, python: str, environ: Mapping[str, str], port: int | None = None) -> LaunchSpecs:
-    """The master's and each group's argv and environment (over :func:`inherited_env`). Pure, given
-    ``environ`` (the launcher's environment) and the working directory.
+    """The master's and each group's argv and environment (over :func:`~launcher.backends.envcheck.inherited_env`).
+    Pure, given ``environ`` (the launcher's environment) and the working directory.
 
     Args:
         python: the interpreter the children run.
         port: the master's port the groups dial (``start`` knows it once it has bound; None: the spec's).
     """
-    extra = code_env(user_code(run.config), environ)
+    extra = envcheck.code_env(user_code(run.config), environ)
     # From inside the results root, -P and our own directory on PYTHONPATH (envcheck.host_python).
     worker = (*envcheck.host_python(python, run.run_dir.path.parent, extra), "-m", "worker")
     spec_path = str(run.run_dir.files.spec)

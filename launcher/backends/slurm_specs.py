@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 from launcher.backends.base import Part, PartState, PreparedRun
 from launcher.backends.containers import UNPRIVILEGED_UID_GID, Kind, worker_env
+from launcher.backends.envcheck import inherited_env
 from launcher.backends.specs import HOST_ENV, LaunchSpecs, PartSpec
 from launcher.backends.slurm_options import SLURM_RUNTIMES
 from launcher.errors import BadInput, NoResources
@@ -300,7 +301,7 @@ def step_env(base: Mapping[str, str], step: StepPlan, spec: RunSpec) -> dict[str
     """The environment ``srun`` exports to the step's task (``--export=ALL``): ``base`` (the launcher's, without
     its own ``LAUNCHER_*`` settings), the worker's variables, the spec as the step sees it, the secret read
     from stdin (``srun`` forwards its stdin to the task), and no GPU for a step without GPUs. Pure."""
-    env = {k: v for k, v in base.items() if not k.startswith("LAUNCHER_")}
+    env = inherited_env(base)
     env.update(worker_env(Kind.SLURM, ProcessShare(cpus=float(step.cpus)),
                           master_addr=None if step.name == "master" else "pending"))
     env.pop("LAUNCHER_MASTER_ADDR", None)  # a group reads it from the master's file (PROLOGUE)
