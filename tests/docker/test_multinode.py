@@ -240,9 +240,13 @@ def _group_tasks(bed: Bed, run_id: str) -> dict[str, list[tuple[str, str]]]:
                         f"label=launcher.run={run_id}", timeout=30).stdout.split()
     tasks: dict[str, list[tuple[str, str]]] = {}
     for svc in out:
-        ps = daemon.docker(bed.manager, "service", "ps", svc, "--filter", "desired-state=running", "--format",
-                           "{{.Node}}|{{.CurrentState}}", timeout=30).stdout.splitlines()
-        tasks[svc] = [tuple(line.split("|", 1)) for line in ps if line]  # type: ignore[misc]
+        done = daemon.docker(bed.manager, "service", "ps", svc, "--filter", "desired-state=running", "--format",
+                             "{{.Node}}|{{.CurrentState}}", timeout=30, check=False)
+        if done.returncode != 0 and "no such service" in done.stderr:
+            continue  # the run ended (and removed its services) between the two calls
+        if done.returncode != 0:
+            raise RuntimeError(f"docker service ps {svc} on {bed.manager.name} failed: {done.stderr.strip()}")
+        tasks[svc] = [tuple(line.split("|", 1)) for line in done.stdout.splitlines() if line]  # type: ignore[misc]
     return tasks
 
 
