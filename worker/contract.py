@@ -39,6 +39,7 @@ EXIT_BAD_SPEC = 2  # either: no or a malformed run spec, or no run secret; nothi
 GROUP_MASTER_GONE_EXIT = 3  # a group that could not reach the master within its reconnect deadline
 GROUP_AUTH_REFUSED_EXIT = 4  # the master refused the group's handshake (wrong secret): never restarted
 GROUP_USER_CODE_EXIT = 5  # a group whose algorithm code raised: never restarted (the master ends the run failed)
+NEVER_RESTARTED_EXITS = (GROUP_AUTH_REFUSED_EXIT, GROUP_USER_CODE_EXIT)  # a restart would end the same way
 LEASE_LOST_EXIT = 75  # EX_TEMPFAIL: the master found a lease taken by another run; the launcher replans or reports it
 
 # --- values both halves validate ------------------------------------------------------------------------

@@ -33,7 +33,7 @@ import os
 import time
 from typing import Any, Callable
 
-from launcher.backends.base import Backend, BackendStatus, Event, Part, PreparedRun, event_lines
+from launcher.backends.base import Backend, BackendStatus, Event, Part, PartState, PreparedRun, event_lines
 from launcher.backends.containers import container_user, give_to, network_name
 from launcher.backends.swarm_run import SwarmRun, lost_node, teardown
 from launcher.backends.specs import LaunchSpecs
@@ -48,6 +48,7 @@ from launcher.errors import BadInput, LauncherError, MissingDependency, NoResour
 from launcher.gpu.placement import Plan
 from launcher.runs import RunDir
 from launcher.usercode import user_code
+from worker.contract import NEVER_RESTARTED_EXITS
 
 log = logging.getLogger(__name__)
 NODE_WATCH_S = 5.0  # how often poll() asks the swarm for its nodes (to say when one is lost)
@@ -92,6 +93,7 @@ class SwarmBackend(Backend):
         self.group_services: dict[int, str] = {}  # group index -> service id
         self.master_service: str | None = None
         self._seen: dict[str, set[str]] = {}  # service id -> every task id seen (restarts = len - 1)
+        self._held: dict[str, Part] = {}  # service id -> the group as it ended with a never-restarted exit
         self._copied = False
         self._stopped = False
 
@@ -238,14 +240,23 @@ class SwarmBackend(Backend):
         nodes = self._watch_nodes(tasks)
 
         def part(name: str, sid: str, max_attempts: int | None) -> Part:
+            if sid in self._held:  # scaled to 0: a task the swarm started before that is not the group's state
+                return self._held[sid]
             ts = tasks.get(sid, [])
             self._seen.setdefault(sid, set()).update(t.id for t in ts)  # the swarm forgets old tasks; we do not
             restarts = max(0, len(self._seen[sid]) - 1)
             state, code = service_state(ts, max_attempts, restarts)
             t = latest(ts)
             node = nodes.get(t.node_id) if t else None
-            return Part(name, state, code, restarts, t.container_id[:12] if t else "", t.state if t else "new",
+            seen = Part(name, state, code, restarts, t.container_id[:12] if t else "", t.state if t else "new",
                         node=node.hostname if node else "", lost=lost_node(ts, nodes))
+            if max_attempts is not None and state == PartState.FAILED and code in NEVER_RESTARTED_EXITS:
+                # The swarm's on-failure policy would start another task after RESTART_DELAY_S, which would end
+                # the same way: no replica, so it starts none (or stops the one it started before this poll).
+                assert self.swarm is not None
+                self.swarm.scale_to_zero(sid)
+                self._held[sid] = seen
+            return seen
 
         budget = self.run.config.restart_budget or None  # budget 0: condition "none", never restarted
         return BackendStatus(part("master", self.master_service, None),

@@ -18,7 +18,7 @@ from launcher.engine.labels import part_name
 from launcher.engine.swarm import (GPU_RESOURCE, PRE_RUNNING, SECRET_FILE, MountSpec, NodeInfo, ServiceSpec,
                                    TaskInfo, latest)
 from launcher.errors import BadInput, LauncherError, MissingDependency, NoResources, RunFailed
-from worker.contract import SECRET_FILE_ENV, SPEC_ENV, SWARM_MASTER, RunSpec
+from worker.contract import NEVER_RESTARTED_EXITS, SECRET_FILE_ENV, SPEC_ENV, SWARM_MASTER, RunSpec
 
 STORAGE_LABEL = "launcher.storage"  # a node label: this node holds the results root at the same path
 GPU_COUNT_LABEL = "launcher.gpu-count"  # GPUs a service reserves; which ones is the engine's choice
@@ -48,7 +48,10 @@ def service_state(tasks: list[TaskInfo], max_attempts: int | None, restarts: int
     ``restarts``: tasks the swarm started after the first (the backend counts every task it ever saw, as the
     swarm keeps only a few in its history). A newest task that ended non-zero is RESTARTING while the service's
     restart policy has attempts left (``max_attempts``; None: never restarted, like the master): the swarm
-    starts another after its delay. Otherwise it is FAILED, and the supervisor decides. No task yet: STARTING.
+    starts another after its delay. Otherwise it is FAILED, and the supervisor decides; so is a task that exited
+    with one of :data:`~worker.contract.NEVER_RESTARTED_EXITS` (refused by the master, or the algorithm's code
+    raised: another task would end the same way; the backend scales its service to 0 when it sees one, as the
+    swarm's on-failure policy cannot tell exit codes apart). No task yet: STARTING.
     """
     t = latest(tasks)
     if t is None or t.state in PRE_RUNNING:
@@ -58,7 +61,7 @@ def service_state(tasks: list[TaskInfo], max_attempts: int | None, restarts: int
     if t.state == "complete" or (t.state == "shutdown" and t.exit_code == 0):
         return PartState.EXITED, 0
     code = t.exit_code
-    if max_attempts is None or restarts >= max_attempts:
+    if max_attempts is None or restarts >= max_attempts or code in NEVER_RESTARTED_EXITS:
         return PartState.FAILED, code
     return PartState.RESTARTING, code
 

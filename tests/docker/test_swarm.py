@@ -168,12 +168,57 @@ def task(state: str, code: int | None = None, *, at: int = 0, err: str = "") -> 
     ([task("failed", 1, at=3), task("failed", 1, at=2), task("failed", 1, at=1), task("failed", 1)], 3, 3,
      PartState.FAILED),  # the swarm gave up; the supervisor's budget makes it LOST
     ([task("failed", 1)], 0, 0, PartState.FAILED),  # budget 0: never restarted
+    ([task("failed", 5)], 3, 0, PartState.FAILED),  # the algorithm's code raised: another task would too
+    ([task("failed", 4)], 3, 0, PartState.FAILED),  # refused by the master (wrong secret): likewise
     ([task("failed", 1)], None, 0, PartState.FAILED),  # the master
     ([task("rejected", err="No such image: x")], None, 0, PartState.FAILED),
 ])
 def test_task_states_map_to_part_states_with_the_swarms_restart_policy(tasks: list[TaskInfo], budget: int | None,
                                                                restarts: int, expected: PartState) -> None:
     assert specs.service_state(tasks, budget, restarts)[0] == expected
+
+
+class ScriptedSwarm:
+    """Stands in for the swarm's API in the one test below: answers ``tasks`` from a script, records scaling."""
+
+    def __init__(self, script: list[dict[str, list[TaskInfo]]]) -> None:
+        self.script = script
+        self.scaled: list[str] = []
+
+    def tasks(self, ids: list[str]) -> dict[str, list[TaskInfo]]:
+        return self.script.pop(0)
+
+    def nodes(self) -> list[NodeInfo]:
+        return [node("n1")]
+
+    def scale_to_zero(self, sid: str) -> None:
+        self.scaled.append(sid)
+
+
+@pytest.mark.parametrize("code,scaled", [(5, True), (4, True), (137, False)])
+def test_a_group_that_exited_4_or_5_is_scaled_to_zero_and_stays_failed(tmp_path: Path, code: int,
+                                                                       scaled: bool) -> None:
+    """The swarm's on-failure policy cannot tell exit codes apart: the backend stops it from starting a group
+    whose next task would end the same way, and keeps reporting how the group ended (not the task the swarm may
+    have started within its 1 s delay, killed by the scale-down). A crash (137) is left to the swarm."""
+    backend = sw.SwarmBackend(image="img")
+    backend.run = prepared(tmp_path)
+    backend.master_service, backend.group_services = "m", {0: "g0", 1: "g1"}
+    running = [task("running")]
+    ended = [task("failed", code)]
+    started_anyway = [task("failed", code), task("shutdown", 143, at=1)]
+    backend.swarm = ScriptedSwarm([{"m": running, "g0": ended, "g1": running},
+                                   {"m": running, "g0": started_anyway, "g1": running}])  # type: ignore[assignment]
+    first = backend.poll()
+    assert backend.swarm.scaled == (["g0"] if scaled else [])  # type: ignore[attr-defined]
+    second = backend.poll()
+    assert first.groups[1].state == second.groups[1].state == PartState.RUNNING
+    if scaled:
+        assert first.groups[0].state == second.groups[0].state == PartState.FAILED
+        assert second.groups[0].exit_code == code and second.groups[0].restarts == 0
+        assert backend.swarm.scaled == ["g0"]  # type: ignore[attr-defined]  # once
+    else:
+        assert first.groups[0].state == PartState.RESTARTING
 
 
 def test_start_problems_name_the_missing_image_and_the_missing_resources() -> None:
