@@ -165,7 +165,15 @@ def hparam_help(cfg: RunConfig) -> str:
 
 
 def resume_config(cfg_flags: dict[str, Any], results: Path, run: str) -> RunConfig:
-    """The config of run ``run`` with the flags given now applied on top (e.g. a larger --max-steps).
+    """The config of run ``run`` with the flags given now applied on top; see :func:`resume_config_and_origin`."""
+    return resume_config_and_origin(cfg_flags, results, run)[0]
+
+
+def resume_config_and_origin(cfg_flags: dict[str, Any], results: Path,
+                             run: str) -> tuple[RunConfig, dict[str, str]]:
+    """The config of run ``run`` with the flags given now applied on top (e.g. a larger --max-steps), and where
+    each value came from: ``flag ...`` for what was given now, ``record RUN`` for the run's own values (so a
+    backend option given now for a backend the run does not use is refused as on a new run).
 
     The saved config is the launcher's record (:attr:`RunDir.config`, where the run's containers cannot write),
     never the copy in the results. A legacy run (made before the records moved) gives only what
@@ -186,9 +194,10 @@ def resume_config(cfg_flags: dict[str, Any], results: Path, run: str) -> RunConf
         saved = legacy_config(run_dir, cfg_flags)
     fields = {f.name for f in dataclasses.fields(RunConfig)}
     base = {k: v for k, v in saved.items() if k in fields and k not in ("resume", "detach", "json")}
-    cfg, _ = config_mod.resolve_config({**cfg_flags, "resume": run_dir.run_id, "results": str(run_dir.path.parent)},
-                                       file_values=base, environ={})
-    return cfg
+    cfg, origin = config_mod.resolve_config({**cfg_flags, "resume": run_dir.run_id,
+                                             "results": str(run_dir.path.parent)}, file_values=base, environ={})
+    return cfg, {k: v if v.startswith("flag") or v == "default" else f"record {run_dir.run_id}"
+                 for k, v in origin.items()}
 
 
 def up(cfg: RunConfig, *, on_event: Callable[[str, dict[str, Any]], None] | None = None,

@@ -107,14 +107,15 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
 
 
 def config_and_origin(args: argparse.Namespace) -> tuple[RunConfig, dict[str, str] | None]:
-    """:func:`config_from_args` and where each value came from (None with --resume: the run's own record)."""
-    from launcher.up import resume_config
+    """:func:`config_from_args` and where each value came from (with --resume: ``record RUN`` for the run's own
+    values, ``flag ...`` for those given now)."""
+    from launcher.up import resume_config_and_origin
 
     flags = flags_from_args(args)
     cfg, origin = load_config(flags, config_path=args.config)
     if args.resume:
         # The config file and environment only say where the results root is; the run keeps its own values.
-        return resume_config(flags, cfg.results, args.resume), None
+        return resume_config_and_origin(flags, cfg.results, args.resume)
     return cfg, origin
 
 

@@ -162,7 +162,8 @@ def backend_mismatch(cfg: RunConfig, origin: Mapping[str, str]) -> list[str]:
     those reads (``--slurm-*``, ``--swarm-*``) is a problem whatever auto picks; one the Docker backend reads
     (``--image``, ``--with``, ``--build``) is not: it applies when auto picks Docker, and a file meant for both
     kinds of host stays valid. A value ``launcher up`` only inherits from the file's ``[build]`` table
-    (``with``; origin ``file PATH [build]``) is ``launcher build``'s, never a problem here."""
+    (``with``; origin ``file PATH [build]``) is ``launcher build``'s, never a problem here; nor is a resumed
+    run's own recorded value (origin ``record RUN``): only what is given with ``--resume`` is judged."""
     chosen = cfg.backend
     picks = AUTO_PICKS if chosen == "auto" else (chosen,)
     backend_from = origin.get("backend", "default")
@@ -172,7 +173,8 @@ def backend_mismatch(cfg: RunConfig, origin: Mapping[str, str]) -> list[str]:
     for opt in OPTIONS:
         owners = OWNERS.get(opt.name, ())
         source = origin.get(opt.field, "default")
-        if not owners or source == "default" or source.endswith("[build]") or set(owners) & set(picks):
+        if (not owners or source == "default" or source.endswith("[build]") or source.startswith("record ")
+                or set(owners) & set(picks)):
             continue
         value: Any = getattr(cfg, opt.field)
         shown = "none" if value is None else " ".join(value) if isinstance(value, tuple) else str(value)
@@ -193,6 +195,8 @@ def backend_mismatch(cfg: RunConfig, origin: Mapping[str, str]) -> list[str]:
 def _source(origin: str) -> str:
     """``flag --backend`` -> ``flag``, ``env LAUNCHER_BACKEND`` -> ``LAUNCHER_BACKEND``, ``file P`` -> ``P``."""
     kind, _, where = origin.partition(" ")
+    if kind == "record":
+        return f"run {where}'s record"
     return {"flag": "flag", "default": "default"}.get(kind, where or kind)
 
 

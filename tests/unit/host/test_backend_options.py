@@ -176,3 +176,28 @@ def test_help_lists_each_backends_options_under_its_heading(capsys: pytest.Captu
     assert "--build" in sections["options of --backend docker:"]
     assert "--image" in sections["options of --backend docker, swarm or slurm:"]
     assert "--slurm-partition" not in sections["options:"] and "--workers" in sections["options:"]
+
+
+# ------------------------------------------------------------------------------------------ --resume
+def test_a_backend_option_given_with_resume_is_refused_and_the_runs_own_record_never(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`up --resume RUN --slurm-partition gpu` on a process run: before, the flag was silently ignored (the
+    check ran only on new runs). Now it is the same exit-2 problem, naming the run's record as where the backend
+    came from; the run's own values (recorded, not given now) are never judged, and nothing is started."""
+    from contextlib import ExitStack
+
+    from launcher.config import RunConfig
+    from launcher.up import prepare
+
+    root = tmp_path / "results"
+    cfg = RunConfig(env_id="CartPole-v1", workers=2, groups=1, backend="process", gpus="none", results=root,
+                    max_steps=1000)
+    with ExitStack() as stack:
+        run_id = prepare(cfg, stack).run.run_id
+    before = sorted(p.relative_to(root) for p in root.rglob("*"))
+    code = main(["up", "--resume", run_id, "--results", str(root), "--slurm-partition", "gpu"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "--slurm-partition gpu (flag) is an option of --backend slurm" in err, err
+    assert f"--backend process (run {run_id}'s record)" in err, err
+    assert sorted(p.relative_to(root) for p in root.rglob("*")) == before, "nothing started or written"
