@@ -185,7 +185,7 @@ def test_eval_refuses_a_planted_policy_without_blocking(run_dir: RunDir, tmp_pat
     """``launcher eval`` reads model/policy.npz, which the master container writes: a FIFO there hung it at
     c1dca51 (np.load on the path)."""
     from launcher.errors import BadInput
-    from launcher.evaluate import _npz
+    from launcher.eval_policy import _npz
 
     model = run_dir.path / "model"
     model.mkdir()
