@@ -44,11 +44,16 @@ def main(argv: list[str] | None = None) -> int:
                         choices=["all", "tts", "actors", "acting", "learning", "update", "transport", "memory",
                                  "launch", "report"])
     parser.add_argument("--quick", action="store_true", help="fewer seeds and repetitions")
+    parser.add_argument("--env", default="CartPole-v1", help="actors: the env (e.g. launcher/Snake-v0, ALE/Pong-v5)")
+    parser.add_argument("--workers", default="1,2,4,8,16,32", help="actors: worker counts, comma-separated")
+    parser.add_argument("--steps", type=int, default=None, help="actors: env steps per system run")
     args = parser.parse_args(argv)
     which = set(args.which)
     if "all" in which:
         which = {"transport", "actors", "acting", "learning", "update", "memory", "launch", "tts"}
     cmd = "python -m bench " + " ".join(args.which) + (" --quick" if args.quick else "")
+    if args.env != "CartPole-v1" or args.workers != "1,2,4,8,16,32" or args.steps:
+        cmd += f" --env {args.env} --workers {args.workers}" + (f" --steps {args.steps}" if args.steps else "")
     from bench import suites, transport
 
     if "transport" in which:
@@ -56,9 +61,10 @@ def main(argv: list[str] | None = None) -> int:
         save("transport", {"table": rows, "hashes": transport.hash_costs(reps=8 if args.quick else 15)}, cmd)
         _print("transport", rows, ("size", "raw_ms", "protocol_ms", "pipe_ms", "protocol_vs_raw", "protocol_vs_pipe"))
     if "actors" in which:
-        counts = [1, 2, 4, 8, 16, 32]
-        data = suites.actor_efficiency(counts, steps=40_000 if args.quick else 120_000, reps=3)
-        save("actors", data, cmd)
+        counts = [int(w) for w in args.workers.split(",")]
+        steps = args.steps or (40_000 if args.quick else 120_000)
+        data = suites.actor_efficiency(counts, steps=steps, reps=3, env_id=args.env)
+        save("actors" if args.env == "CartPole-v1" else f"actors-{args.env.replace('/', '_').lower()}", data, cmd)
         _print("actor efficiency", data["table"], ("workers", "system_env_steps_per_s", "single_process_env_steps_per_s", "ratio"))
     if "acting" in which:
         data = suites.acting_paths(8, steps=40_000 if args.quick else 100_000, reps=2 if args.quick else 3)

@@ -62,6 +62,32 @@ def _plots(doc_dir: Path, actors: dict[str, Any] | None, tts: dict[str, Any] | N
         plt.close(fig)
 
 
+def _costly_envs(results: Path) -> list[str]:
+    """Section 2c: actor efficiency on the envs whose step costs (``python -m bench actors --env ID``)."""
+    found = sorted(results.glob("actors-*.json"))
+    out = ["## 2c. Actor efficiency on envs that cost (Snake, Atari), learning off", ""]
+    if not found:
+        return out + ["Not measured yet: `python -m bench actors --env launcher/Snake-v0` (or `--env ALE/Pong-v5`).", ""]
+    out += ["Each env's own command below. The system and the baseline as in section 2, on that env with PPO's",
+            "segment length for it (`--set n_steps=N` on both sides) and the built-in network (Snake: the small",
+            "CNN; Atari: the Nature CNN on 84×84×4 uint8 frames), acted in numpy. Target: ≥ 1.6 at 16 workers on 2",
+            "cores (one process per core is the most a 2-core machine can give; an env that costs more per step",
+            "leaves the fixed per-round costs less weight).", ""]
+    for path in found:
+        d = json.loads(path.read_text())
+        out += [f"**{d['env']}** (n_steps {d['n_steps']}, {d['steps']} env steps per system run, medians of "
+                f"{d['reps']}; measured {d['meta'].get('date', '?')}, commit `{d['meta'].get('commit', '?')}`). "
+                f"Command: `{d['command']}`", "",
+                "| workers | system env-steps/s | single process env-steps/s | ratio | ratios of the runs |",
+                "|---|---|---|---|---|"]
+        for r in d["table"]:
+            each = ", ".join(_f(x["ratio"]) for x in r.get("runs", []))
+            out.append(f"| {r['workers']} | {_f(r['system_env_steps_per_s'], 0)} | "
+                       f"{_f(r['single_process_env_steps_per_s'], 0)} | {_f(r['ratio'])} | {each} |")
+        out += [""]
+    return out
+
+
 def write_report(results: Path, doc: Path) -> None:
     tts, actors, transport, memory, launch = (_load(results, n) for n in ("tts", "actors", "transport", "memory", "launch"))
     _plots(doc.parent, actors, tts)
@@ -124,6 +150,7 @@ def write_report(results: Path, doc: Path) -> None:
         out += ["", f"![scaling]({IMG}/scaling.png)", ""]
     else:
         out += ["Not measured yet: `python -m bench actors`.", ""]
+    out += _costly_envs(results)
     learning, update = _load(results, "learning"), _load(results, "update")
     out += ["## 2b. While learning: env-steps/s against learning off", ""]
     if learning:

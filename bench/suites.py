@@ -69,9 +69,10 @@ def _first_segment_at(run: Path) -> float | None:
     return None
 
 
-def _single_process_rate(workers: int, steps: int) -> float:
-    """Env steps/s of one process stepping ``workers`` CartPole envs with the numpy policy; no transport, no
-    learning. The envs are one vector env built exactly as a worker group builds its own."""
+def _single_process_rate(workers: int, steps: int, env_id: str = "CartPole-v1", n_steps: int = 64) -> float:
+    """Env steps/s of one process stepping ``workers`` envs of ``env_id`` with the numpy policy; no transport, no
+    learning. The envs are one vector env built exactly as a worker group builds its own, and each collect plays
+    ``n_steps`` per env, as the run's segments do."""
     code = f"""
 import json, sys, time, numpy as np
 from worker.envs import make_vector_env
@@ -79,44 +80,54 @@ from worker.algorithms.actor_critic import ActorCriticPolicy
 from worker.algorithms.rollout import Collector
 from worker.api import Spaces
 from worker.numpy_model import NumpyModel, Program
-envs = make_vector_env("CartPole-v1", {workers})
+envs = make_vector_env({env_id!r}, {workers})
 model = NumpyModel(Program.from_dict(json.loads(sys.stdin.read())))  # the built-in network's program, no TF here
 rng = np.random.default_rng(0)
 model.set_weights({{k: (rng.standard_normal(s) * 0.1).astype(np.float32) for k, s in model.shapes.items()}}, 0)
-pol = ActorCriticPolicy(model, Spaces(envs.single_observation_space, envs.single_action_space), "float32")
+space = envs.single_observation_space
+pol = ActorCriticPolicy(model, Spaces(space, envs.single_action_space), str(space.dtype))
 col = Collector(envs, pol, gamma=0.99, lam=0.95, seed=0)
-n = max(1, {steps} // (64 * {workers}))
-col.collect(64)
+n = max(1, {steps} // ({n_steps} * {workers}))
+col.collect({n_steps})
 t, done = time.perf_counter(), 0
 for _ in range(n):
-    done += col.collect(64).steps
+    done += col.collect({n_steps}).steps
 print(done / (time.perf_counter() - t))
 """
     # The same thread settings a group gets from the launcher (one BLAS thread): a like-for-like process.
     p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**env(), "OMP_NUM_THREADS": "1",
-                       "OPENBLAS_NUM_THREADS": "1"}, input=json.dumps(cartpole_program()), capture_output=True,
-                       text=True, timeout=600)
+                       "OPENBLAS_NUM_THREADS": "1"}, input=json.dumps(builtin_program(env_id)), capture_output=True,
+                       text=True, timeout=1800)
+    if p.returncode != 0:
+        raise RuntimeError(f"the single-process baseline on {env_id} failed: {p.stderr[-2000:]}")
     return float(p.stdout.strip().splitlines()[-1])
 
 
 def cartpole_program() -> dict[str, Any]:
-    """The numpy program of the built-in CartPole network (made here, in the bench's own process, so the
+    """The numpy program of the built-in CartPole network."""
+    return builtin_program("CartPole-v1")
+
+
+def builtin_program(env_id: str) -> dict[str, Any]:
+    """The numpy program of the built-in network for ``env_id`` (made here, in the bench's own process, so the
     single-process baseline imports no TensorFlow, as a group does not)."""
     import keras
 
+    from worker.envs import make_env
     from worker.keras_convert import to_program
     from worker.models import Architecture, build_keras_model
 
     keras.utils.set_random_seed(0)
-    import gymnasium
+    e = make_env(env_id, seed=0)
+    try:
+        return to_program(build_keras_model(Architecture.for_spaces(e.observation_space, e.action_space))).to_dict()
+    finally:
+        e.close()
 
-    env = gymnasium.make("CartPole-v1")
-    return to_program(build_keras_model(Architecture.for_spaces(env.observation_space, env.action_space))).to_dict()
 
-
-def _system_rate(results: Path, workers: int, steps: int, *extra: str) -> float:
+def _system_rate(results: Path, workers: int, steps: int, *extra: str, env_id: str = "CartPole-v1") -> float:
     """Env steps/s of a whole ``launcher up`` run, from its own metrics after the first steps."""
-    wall, code, doc = run_up(results, "--backend", "process", "--workers", str(workers), "--env", "CartPole-v1",
+    wall, code, doc = run_up(results, "--backend", "process", "--workers", str(workers), "--env", env_id,
                              "--algo", "ppo", "--max-steps", str(steps), *extra)
     run = results / doc["run_id"]
     prog = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
@@ -144,20 +155,39 @@ def acting_paths(workers: int = 8, steps: int = 100_000, reps: int = 3) -> dict[
     return {"table": table, "workers": workers, "steps": steps, "reps": reps}
 
 
-def actor_efficiency(worker_counts: list[int], steps: int, reps: int = 3) -> dict[str, Any]:
-    """System vs one process, learning off, ``reps`` interleaved repetitions per worker count (medians)."""
+def actor_efficiency(worker_counts: list[int], steps: int, reps: int = 3, env_id: str = "CartPole-v1",
+                     n_steps: int | None = None) -> dict[str, Any]:
+    """System vs one process, learning off, ``reps`` interleaved repetitions per worker count (medians), on
+    ``env_id`` with PPO's segment length for it (``n_steps``: passed to both sides; default PPO's for the env)."""
+    if n_steps is None:
+        n_steps = ppo_n_steps(env_id)
     table = []
     for w in worker_counts:
         runs = []
         for _ in range(reps):
             with tempfile.TemporaryDirectory() as tmp:
-                system = _system_rate(Path(tmp), w, steps, *LEARNING_OFF)
-            single = _single_process_rate(w, steps // 2)
+                system = _system_rate(Path(tmp), w, steps, *LEARNING_OFF, "--set", f"n_steps={n_steps}",
+                                      env_id=env_id)
+            single = _single_process_rate(w, steps // 2, env_id, n_steps)
             runs.append({"system": system, "single": single, "ratio": system / single})
         table.append({"workers": w, "system_env_steps_per_s": median([r["system"] for r in runs]),
                       "single_process_env_steps_per_s": median([r["single"] for r in runs]),
                       "ratio": median([r["ratio"] for r in runs]), "runs": runs})
-    return {"table": table, "steps": steps, "reps": reps}
+    return {"table": table, "steps": steps, "reps": reps, "env": env_id, "n_steps": n_steps}
+
+
+def ppo_n_steps(env_id: str) -> int:
+    """PPO's segment length for ``env_id`` as a run resolves it (its per-env and per-kind defaults)."""
+    from worker.algorithms import load_algorithm, resolve_hparams
+    from worker.api import Spaces
+    from worker.envs import make_env
+
+    e = make_env(env_id, seed=0)
+    try:
+        cls = load_algorithm("ppo")
+        return int(resolve_hparams(cls, "ppo", env_id, Spaces(e.observation_space, e.action_space), {})["n_steps"])
+    finally:
+        e.close()
 
 
 def learning_on(workers: int = 8, steps: int = 150_000, reps: int = 3) -> dict[str, Any]:
