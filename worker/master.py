@@ -6,9 +6,11 @@ bottom: load the algorithm and build the learner (restoring the newest intact ch
 groups act (the model converted to numpy, or TensorFlow), listen, loop until a stop condition, and always
 end in ``_shutdown``: STOP to every group, a last checkpoint, the exported model, the curve, ``summary.json``.
 
-The parts live beside it: :mod:`worker.links` (sockets and threads), :mod:`worker.validate` (what may be
-used), :mod:`worker.schedules` (when to update), :mod:`worker.broadcast` (the weights frames the groups get),
-:mod:`worker.reporting` (what is counted and written).
+The parts live beside it: :mod:`worker.master_start` (the start, before the loop: algorithm, learner,
+checkpoint restore, acting, listening; a base class of :class:`Master`), :mod:`worker.links` (sockets and
+threads), :mod:`worker.validate` (what may be used), :mod:`worker.schedules` (when to update),
+:mod:`worker.broadcast` (the weights frames the groups get), :mod:`worker.reporting` (what is counted and
+written).
 Nothing here branches on which algorithm runs.
 """
 
@@ -16,7 +18,6 @@ from __future__ import annotations
 
 import enum
 import logging
-import os
 import queue
 import signal
 import socket
@@ -25,22 +26,20 @@ import time
 from pathlib import Path
 from typing import Any
 
-from worker.acting import decide_acting
-from worker.algorithms import UserCodeError, build_model, load_algorithm, resolve_hparams
-from worker.api import LearnerContext, Payload, Reject, Spaces
+from worker.algorithms import UserCodeError
+from worker.api import Payload, Reject
 from worker.broadcast import VersionFrames, first_non_finite, policy_arrays
-from worker.contract import EXIT_FAILED, EXIT_OK, TF_THREADS_ENV, RunFiles, RunSpec, plain_env_id
+from worker.contract import EXIT_FAILED, EXIT_OK, RunFiles, RunSpec, plain_env_id
 from worker.ending import Outcome, error_doc
-from worker.envs import make_env
 from worker.inbox import ByteBoundedInbox
-from worker.links import Counters, GroupLink, LinkServer, listening_socket
-from worker.protocol import Message, MsgType, encode_parts
+from worker.links import Counters, GroupLink
+from worker.master_start import Starting
+from worker.protocol import Message, MsgType
 from worker.recovery import note_recovery, previous_master
 from worker.reporting import (Tally, episodes_record, export_model, numeric, policy_doc, save_best,
-                              save_checkpoint_policy, write_policy_doc)
-from worker.results import MetricsLog, atomic_write_json, atomic_write_text, plot_learning_curve
-from worker.schedules import Scheduler
-from worker.validate import Refusal, arrays_of, check_payload, check_schema
+                              save_checkpoint_policy)
+from worker.results import MetricsLog, atomic_write_json, plot_learning_curve
+from worker.validate import Refusal, arrays_of, check_payload
 
 log = logging.getLogger("worker.master")
 
@@ -57,7 +56,7 @@ class MasterState(str, enum.Enum):
     FAILED = "failed"
 
 
-class Master:
+class Master(Starting):
     """Serve one run. ``run()`` returns the process exit code (0: finished, 1: failed).
 
     Args:
@@ -122,94 +121,6 @@ class Master:
             self._stop.set()
 
     _phase = "the master's start"
-
-    # ------------------------------------------------------------------------------------------ starting
-    def _load_algorithm(self) -> None:
-        """The algorithm (built-in or the user's), its hyper-parameters for this env, schedule and schema."""
-        spec = self.spec
-        self._phase = "loading the algorithm"
-        env = make_env(spec.env_id, seed=spec.seed, **spec.env_args)
-        self.spaces = Spaces(env.observation_space, env.action_space)
-        env.close()
-        self.algo_cls = load_algorithm(spec.algo)
-        self.hp = resolve_hparams(self.algo_cls, spec.algo, spec.env_id, self.spaces, spec.hparams)
-        self.algo = self.algo_cls(self.spaces, self.hp, num_workers=max(1, spec.total_workers))
-        self.schedule = self.algo.schedule()
-        self.scheduler = Scheduler(self.schedule)
-        self.checkpoint_every = spec.checkpoint_every or int(self.algo.checkpoint_every)
-
-    def _build_learner(self) -> None:
-        import tensorflow as tf
-
-        from worker.checkpoint import Checkpointer
-        from worker.keras_convert import convert, get_weights, weight_names
-
-        threads = int(os.environ.get(TF_THREADS_ENV, "0"))
-        if threads:
-            tf.config.threading.set_intra_op_parallelism_threads(threads)
-            tf.config.threading.set_inter_op_parallelism_threads(1)
-        spec = self.spec
-        self._phase = "building the model"
-        self.model = build_model(self.algo, spec.model, spec.seed)
-        self.names = weight_names(self.model)
-        variables = dict(zip(self.names, self.model.weights))
-        trainable = tuple(n for n, v in variables.items() if v.trainable)
-        self._phase = "building the learner"
-        ctx = LearnerContext(spaces=self.spaces, hparams=self.hp, model=self.model, variables=variables,
-                             trainable=trainable, seed=spec.seed, num_workers=spec.total_workers,
-                             algorithm=self.algo, _progress=self._progress)
-        self.learner = self.algo.learner(ctx)
-        shapes = {n: tuple(int(d) for d in v.shape) for n, v in variables.items()}
-        self.schema = dict(self.algo.payload(shapes, trainable))
-        check_schema(self.schema)
-        self._phase = "restoring the newest checkpoint"
-        self.ckpt = Checkpointer(self.files.checkpoints, self.learner.checkpoint(), window=spec.return_window)
-        restored = self.ckpt.restore_latest()
-        if restored:
-            c, recent, path = restored
-            self.learner.restored()
-            self.tally.c = c
-            self.tally.recent.extend(recent)
-            self.tally.last_ckpt = (c.updates, time.monotonic(), path)
-            self._restored_from = path
-            log.info("resumed from %s: env_steps=%d updates=%d episodes=%d", path, c.env_steps, c.updates, c.episodes)
-        self._phase = "deciding how the groups act"
-        self._decide_acting(convert(self.model, self.spaces.observation, seed=spec.seed), shapes, trainable)
-        self._check_finite(get_weights(self.model))
-        write_policy_doc(self.files, self._policy_doc())  # `launcher eval` of a run that never ends needs it
-        from worker.results import TensorBoardWriter
-
-        self.tb = TensorBoardWriter(self.files.tensorboard)
-        self._learner_ready = True
-        self._phase = "running"
-
-    def _decide_acting(self, conversion: Any, shapes: dict[str, tuple[int, ...]], trainable: tuple[str, ...]) -> None:
-        self.program, self.acting, setup = decide_acting(conversion, self.spec.acting, shapes, trainable,
-                                                         groups_wait=self.schedule.groups_wait)
-        log.info("groups act with %s: %s", self.acting["path"], self.acting["reason"])
-        self.setup_frame = encode_parts(MsgType.SETUP, setup)
-
-    def _listen(self) -> socket.socket:
-        if self._listen_sock is not None:
-            return self._listen_sock
-        return listening_socket(self.spec.master_host, self.spec.master_port)
-
-    def _serve(self) -> None:
-        spec = self.spec
-        sock = self._listen()
-        host, port = sock.getsockname()[:2]
-        atomic_write_text(self.files.master_addr, f"{host}:{port}\n")
-        self.server = LinkServer(
-            sock, secret=self.secret, run_id=spec.run_id, max_frame_bytes=spec.max_frame_bytes,
-            heartbeat_interval_s=spec.heartbeat_interval_s, heartbeat_timeout_s=spec.heartbeat_timeout_s,
-            handshake_timeout_s=spec.handshake_timeout_s, max_connections=spec.max_connections,
-            counters=self.counters_net, on_join=self._on_join, on_message=self._on_message, on_leave=self._on_leave)
-        self.server.start()
-        log.info("master of run %s listening on %s:%d (%s on %s, %d workers in %d groups, %s schedule)", spec.run_id,
-                 host, port, spec.algo, spec.env_id, spec.total_workers, len(spec.groups), self.schedule.kind)
-        self.metrics.write({"type": "event", "t": time.time(), "event": "master_started",
-                            "env_steps": self.tally.c.env_steps, "updates": self.tally.c.updates,
-                            "acting": self.acting["path"]})
 
     # ---------------------------------------------------------------------- network callbacks (link threads)
     def _on_join(self, link: GroupLink) -> tuple[dict[str, Any], list[Any]]:
