@@ -39,7 +39,8 @@ from typing import Any, Callable
 
 from launcher import safefs
 from launcher.backends.base import Backend, BackendStatus, Event, Part, PreparedRun, event_lines
-from launcher.backends.process import ORPHAN_GRACE_S, _Child, _Reaper, check_on_host
+from launcher.backends.process import check_on_host
+from launcher.backends.process_children import ORPHAN_GRACE_S, _Child, _Reaper
 from launcher.backends.envcheck import host_env
 from launcher.backends.slurm_parts import step_gpus_printed, step_number, step_part
 from launcher.backends.slurm_run import SlurmRun, live_jobs, wait_gone, wait_running
