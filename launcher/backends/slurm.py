@@ -38,14 +38,14 @@ from pathlib import Path
 from typing import Any, Callable
 
 from launcher import safefs
-from launcher.backends.base import Backend, BackendStatus, Event, Part, PreparedRun, event_lines
-from launcher.backends.process import ORPHAN_GRACE_S, _Child, _Reaper, check_on_host
+from launcher.backends.base import Backend, BackendStatus, Event, PreparedRun, event_lines
+from launcher.backends.process import check_on_host
+from launcher.backends.process_children import ORPHAN_GRACE_S, _Child, _Reaper
 from launcher.backends.envcheck import host_env
-from launcher.backends.slurm_parts import step_gpus_printed, step_number, step_part
 from launcher.backends.slurm_run import SlurmRun, live_jobs, wait_gone, wait_running
 from launcher.backends.slurm_specs import (JOB_PLACEHOLDER, MASTER_NODE_PLACEHOLDER, SlurmPlan, allocation_view,
-                                           lost_text, node_lost_at, part_of_step, plan_slurm, request_from,
-                                           restart_node, sbatch_args, slot_nodes, step_specs)
+                                           plan_slurm, request_from, restart_node, sbatch_args, slot_nodes, step_specs)
+from launcher.backends.slurm_watch import SlurmWatch
 from launcher.backends.specs import LaunchSpecs
 from launcher.config import RunConfig
 from launcher.errors import BadInput, LauncherError
@@ -66,8 +66,9 @@ JOB_LOG = "job.log"  # the batch script's output, in logs/ (`launcher logs RUN -
 Progress = Callable[[str], None]
 
 
-class SlurmBackend(Backend):
-    """Runs a :class:`PreparedRun` as the steps of one Slurm job (``sbatch`` + ``srun --jobid`` each)."""
+class SlurmBackend(SlurmWatch, Backend):
+    """Runs a :class:`PreparedRun` as the steps of one Slurm job (``sbatch`` + ``srun --jobid`` each); what it
+    reads of the job and its steps while the run goes on is :class:`~launcher.backends.slurm_watch.SlurmWatch`."""
 
     name = "slurm"
     restart_grace_s = 0.0  # nothing but the supervisor starts a step again
@@ -234,70 +235,6 @@ class SlurmBackend(Backend):
         self.run.run_dir.update_record(state=RunState.QUEUED.value, slurm_state=job.state, slurm_reason=job.reason)
 
     # ---------------------------------------------------------------------------------------------- watch
-    def _watch(self) -> None:
-        """Ask slurmctld for the job's nodes, its steps and the nodes' states; mark the parts whose node is lost
-        (down or not responding, or removed from the job). Changes nothing of the run."""
-        assert self.job_id is not None and self.run is not None
-        try:
-            job = commands.job(self.job_id)
-            steps = commands.steps(self.job_id)
-            nodes = {n.name: n for n in commands.cluster().nodes}
-        except LauncherError as exc:  # a controller restart: the steps' own state still comes from srun
-            if self._unreachable_since is None:
-                self._unreachable_since = time.monotonic()
-                self.progress(f"slurm: cannot ask the controller ({exc.message}); the steps' srun still report")
-            return
-        if self._unreachable_since is not None:
-            self.progress(f"slurm: the controller answers again after {time.monotonic() - self._unreachable_since:.0f} s")
-            self._unreachable_since = None
-        self._node_info = nodes
-        if job is not None:
-            self.job_nodes = job.nodes
-        known = (dict(self.step_ids), dict(self.step_gpus))
-        for s in steps:
-            part = part_of_step(self.run.run_id, s.name)
-            if part is not None and step_number(s.step_id) >= step_number(self.step_ids.get(part, "")):
-                self.step_ids[part] = s.step_id
-        self._read_step_lines()
-        if (self.step_ids, self.step_gpus) != known:
-            self.run.run_dir.update_record(steps=dict(self.step_ids), step_gpus=dict(self.step_gpus))
-        now = time.strftime("%Y-%m-%dT%H:%M:%S")
-        for part, node in self.nodes.items():
-            child = self.children.get(part)
-            if not node or child is None or child.exit_code() is not None or part in self.lost_parts:
-                continue  # no node: a step started again where Slurm finds room, not placed yet
-            info = nodes.get(node)
-            gone = job is not None and job.running and node not in job.nodes
-            if (info is not None and info.down) or gone:
-                when = self.lost_nodes.get(node) or (node_lost_at(info, now) if info is not None else now)
-                if node not in self.lost_nodes:
-                    self.lost_nodes[node] = when
-                    self.progress(f"slurm: node {node} lost at {when} ({info.word if info else 'gone from the job'});"
-                                  f" its steps end and lost groups start again on the job's other nodes")
-                self.lost_parts[part] = lost_text(node, when)
-                self.run.run_dir.update_record(lost_nodes=dict(self.lost_nodes),
-                                               lost_parts={**self.was_lost, **self.lost_parts})
-
-    def _read_step_lines(self) -> None:
-        """The GPUs Slurm gave each step, from the line its prologue printed first (``launcher: step 12.3 on
-        node2: SLURM_STEP_GPUS=0 …``) in the part's log, read from where this start of it began."""
-        assert self.run is not None
-        for name, child in self.children.items():
-            if name in self.step_gpus or child.proc is None:
-                continue
-            rel = f"{LOGS_DIR}/{child.log_path.name}"
-            try:
-                fd = safefs.open_beneath(self.run.run_dir.path, rel, os.O_RDONLY)
-                try:
-                    head = os.pread(fd, 4096, self._log_offset.get(name, 0))
-                finally:
-                    os.close(fd)
-            except OSError:
-                continue
-            gpus = step_gpus_printed(head.decode(errors="replace"))
-            if gpus is not None:
-                self.step_gpus[name] = gpus
-
     def poll(self) -> BackendStatus:
         """Each step's state from its srun (still running, or its exit status) and, every ``node_watch_s``, from
         slurmctld (a step on a lost node is FAILED: its srun never notices). Reads only."""
@@ -309,13 +246,6 @@ class SlurmBackend(Backend):
             c.cap_log(64 * 1024 * 1024)
         groups = {int(n.partition("-")[2]): self._part(n) for n in self.children if n != "master"}
         return BackendStatus(self._part("master"), groups)
-
-    def _part(self, name: str) -> Part:
-        child = self.children[name]
-        return step_part(name, started=child.proc is not None, code=child.exit_code(), restarts=child.restarts,
-                         ident=self.step_ids.get(name, ""), node=self.nodes.get(name, ""),
-                         lost=self.lost_parts.get(name) or self.was_lost.get(name, ""),
-                         lost_now=name in self.lost_parts, gpus=self.step_gpus.get(name, ""))
 
     def idle(self, seconds: float) -> None:
         """Block on the master's srun (up to ``seconds``): its end is seen at once."""
