@@ -28,8 +28,9 @@ from typing import Any
 
 from worker.algorithms import UserCodeError
 from worker.api import Payload, Reject
-from worker.broadcast import VersionFrames, first_non_finite, policy_arrays
+from worker.broadcast import EXTRA_PREFIX, VersionFrames, first_non_finite, policy_arrays
 from worker.contract import EXIT_FAILED, EXIT_OK, RunFiles, RunSpec, plain_env_id
+from worker.early import EarlyStart
 from worker.ending import Outcome, error_doc
 from worker.inbox import ByteBoundedInbox
 from worker.links import Counters, GroupLink
@@ -83,6 +84,7 @@ class Master(Starting):
         self._learner_ready = False
         self._diverged = False  # the learner produced non-finite weights: nothing of them is saved
         self.acting: dict[str, Any] = {"path": None, "reason": "not decided yet"}
+        self.early: EarlyStart | None = None  # the numpy-made start the groups got before TensorFlow loaded
 
     # ---------------------------------------------------------------------------------------------- run
     def run(self) -> int:
@@ -92,9 +94,11 @@ class Master(Starting):
         self._restored_from: str | None = None
         try:
             self._load_algorithm()
+            self._start_early(recovering=prev is not None)  # serves the groups now when it can (worker/early.py)
             self._build_learner()
             note_recovery(prev, self.tally, self._restored_from, self.metrics, self.tb)
-            self._serve()
+            if getattr(self, "server", None) is None:
+                self._serve()
             self.state = MasterState.RUNNING
             self._check_done()  # a resumed run may already be done
             next_report = 0.0
@@ -294,6 +298,8 @@ class Master(Starting):
                                  stop_reason=self.stop_reason, acting=self.acting, error=self.error)
 
     def _policy_arrays(self) -> dict[str, Any]:
+        if not self._learner_ready and self.early is not None:  # version 0 while TensorFlow loads
+            return {**self.early.weights, **{EXTRA_PREFIX + k: v for k, v in self.early.extras.items()}}
         return policy_arrays(self.model, self.learner)
 
     def _report(self) -> None:

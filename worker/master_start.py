@@ -22,6 +22,7 @@ from worker.acting import decide_acting
 from worker.algorithms import build_model, load_algorithm, resolve_hparams
 from worker.api import LearnerContext, Spaces
 from worker.contract import TF_THREADS_ENV, RunFiles, RunSpec
+from worker.early import EarlyStart
 from worker.envs import make_env
 from worker.links import Counters, GroupLink, LinkServer, listening_socket
 from worker.protocol import Message, MsgType, encode_parts
@@ -50,6 +51,7 @@ class Starting:
         _phase: str
         _restored_from: str | None
         _learner_ready: bool
+        early: EarlyStart | None
 
         def _progress(self) -> float: ...
         def _check_finite(self, arrays: dict[str, Any]) -> None: ...
@@ -72,11 +74,27 @@ class Starting:
         self.scheduler = Scheduler(self.schedule)
         self.checkpoint_every = spec.checkpoint_every or int(self.algo.checkpoint_every)
 
+    def _start_early(self, recovering: bool) -> None:
+        """Serve the groups before TensorFlow loads when the run allows it (:mod:`worker.early`): the built-in
+        network's numpy program and initial weights are version 0; their first segments wait in the inbox."""
+        from worker.early import early_start
+        from worker.keras_convert import Conversion
+
+        spec = self.spec
+        self._phase = "making the groups' first policy in numpy"
+        self.early = early_start(self.algo, spec.model, spec.acting, spec.seed, self.files.checkpoints, recovering)
+        if self.early is None:
+            return
+        shapes = dict(self.early.program.weights)
+        self._decide_acting(Conversion(self.early.program, self.early.reason), shapes, tuple(shapes))
+        self._serve()
+
     def _build_learner(self) -> None:
         import tensorflow as tf
 
         from worker.checkpoint import Checkpointer
-        from worker.keras_convert import convert, get_weights, weight_names
+        from worker.early import verify
+        from worker.keras_convert import convert, get_weights, set_weights, weight_names
 
         threads = int(os.environ.get(TF_THREADS_ENV, "0"))
         if threads:
@@ -85,6 +103,8 @@ class Starting:
         spec = self.spec
         self._phase = "building the model"
         self.model = build_model(self.algo, spec.model, spec.seed)
+        if self.early is not None:  # the groups already play with these: the learner starts from them too
+            set_weights(self.model, self.early.weights)
         self.names = weight_names(self.model)
         variables = dict(zip(self.names, self.model.weights))
         trainable = tuple(n for n, v in variables.items() if v.trainable)
@@ -99,6 +119,9 @@ class Starting:
         self._phase = "restoring the newest checkpoint"
         self.ckpt = Checkpointer(self.files.checkpoints, self.learner.checkpoint(), window=spec.return_window)
         restored = self.ckpt.restore_latest()
+        if restored and self.early is not None:
+            raise RuntimeError(f"a checkpoint appeared in {self.files.checkpoints} while the master started early "
+                               "from fresh weights; start the run again (or with --resume)")
         if restored:
             c, recent, path = restored
             self.learner.restored()
@@ -107,8 +130,18 @@ class Starting:
             self.tally.last_ckpt = (c.updates, time.monotonic(), path)
             self._restored_from = path
             log.info("resumed from %s: env_steps=%d updates=%d episodes=%d", path, c.env_steps, c.updates, c.episodes)
-        self._phase = "deciding how the groups act"
-        self._decide_acting(convert(self.model, self.spaces.observation, seed=spec.seed), shapes, trainable)
+        if self.early is not None:
+            self._phase = "checking the groups' numpy-made first policy against Keras"
+            if trainable != tuple(shapes):
+                raise RuntimeError(f"early start: the Keras model's trainable weights are {trainable}, the groups "
+                                   f"were told {tuple(shapes)}")
+            error = verify(self.early, self.model, self.learner.extras(), self.spaces.observation, seed=spec.seed)
+            self.acting["max_error"] = round(error, 6)
+            log.info("the groups' numpy-made first policy matches Keras (largest error %.3g of float32 rounding)",
+                     error)
+        else:
+            self._phase = "deciding how the groups act"
+            self._decide_acting(convert(self.model, self.spaces.observation, seed=spec.seed), shapes, trainable)
         self._check_finite(get_weights(self.model))
         write_policy_doc(self.files, self._policy_doc())  # `launcher eval` of a run that never ends needs it
         from worker.results import TensorBoardWriter
