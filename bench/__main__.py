@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench")
     parser.add_argument("which", nargs="*", default=["all"],
                         choices=["all", "tts", "actors", "acting", "learning", "update", "transport", "memory",
-                                 "launch", "report"])
+                                 "launch", "start", "report"])
     parser.add_argument("--quick", action="store_true", help="fewer seeds and repetitions")
     parser.add_argument("--env", default="CartPole-v1", help="actors: the env (e.g. launcher/Snake-v0, ALE/Pong-v5)")
     parser.add_argument("--workers", default="1,2,4,8,16,32", help="actors: worker counts, comma-separated")
@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     which = set(args.which)
     if "all" in which:
-        which = {"transport", "actors", "acting", "learning", "update", "memory", "launch", "tts"}
+        which = {"transport", "actors", "acting", "learning", "update", "memory", "launch", "start", "tts"}
     cmd = "python -m bench " + " ".join(args.which) + (" --quick" if args.quick else "")
     if args.env != "CartPole-v1" or args.workers != "1,2,4,8,16,32" or args.steps:
         cmd += f" --env {args.env} --workers {args.workers}" + (f" --steps {args.steps}" if args.steps else "")
@@ -87,6 +87,11 @@ def main(argv: list[str] | None = None) -> int:
         data = suites.launch_latency(32, reps=2 if args.quick else 3)
         save("launch", data, cmd)
         _print("launch latency", [data], ("workers", "backend", "median_s"))
+    if "start" in which:
+        data = suites.first_step(reps=3 if args.quick else 5)
+        save("start", data, cmd)
+        _print("first env step, 8 workers", data["table"], ("variant", "median_first_step_s", "median_first_segment_s",
+                                                            "ratio_vs_tf_first"))
     if "tts" in which:
         data = suites.time_to_solve([0, 1] if args.quick else [0, 1, 2])
         save("tts", data, cmd)

@@ -23,11 +23,12 @@ def launcher(*args: str) -> list[str]:
     return [sys.executable, "-m", "launcher", *args]
 
 
-def run_up(results: Path, *args: str, timeout: float = 600) -> tuple[float, int, dict[str, Any]]:
+def run_up(results: Path, *args: str, timeout: float = 600,
+           extra_env: dict[str, str] | None = None) -> tuple[float, int, dict[str, Any]]:
     """Run ``launcher up --json`` to the end. Returns (wall seconds, exit code, result document)."""
     t0 = time.perf_counter()
-    p = subprocess.run(launcher("up", "--results", str(results), "--json", *args), cwd=ROOT, env=env(),
-                       capture_output=True, text=True, timeout=timeout)
+    p = subprocess.run(launcher("up", "--results", str(results), "--json", *args), cwd=ROOT,
+                       env={**env(), **(extra_env or {})}, capture_output=True, text=True, timeout=timeout)
     wall = time.perf_counter() - t0
     try:
         doc = json.loads(p.stdout)

@@ -62,6 +62,28 @@ def _plots(doc_dir: Path, actors: dict[str, Any] | None, tts: dict[str, Any] | N
         plt.close(fig)
 
 
+def _first_step(results: Path) -> list[str]:
+    """Section 1c: from `launcher up` to the first env step, with and without the numpy-made first policy."""
+    d = _load(results, "start")
+    out = ["## 1c. From `launcher up` to the first env step", ""]
+    if not d:
+        return out + ["Not measured yet: `python -m bench start`.", ""]
+    out += [f"Command: `{d['command']}` (section `start`; measured {d['meta'].get('date', '?')}, commit "
+            f"`{d['meta'].get('commit', '?')}`). `launcher up --backend process --workers {d['workers']} --env "
+            "CartPole-v1`, seconds from starting the CLI to the first group playing (its log's `playing` line, right "
+            "before its first env step) and to the first segment with a finished episode at the master. The master "
+            "serves the groups a numpy-made first policy while TensorFlow loads (worker/early.py, the default) "
+            f"against TensorFlow first (`WORKER_EARLY_START=0`); {d['reps']} interleaved pairs, medians. Target: the "
+            "first env step within 1.5 s.", "",
+            "| variant | median first step s | median first segment s | ratio vs TensorFlow first | runs (first step s) |",
+            "|---|---|---|---|---|"]
+    for r in d["table"]:
+        runs = ", ".join(_f(x["first_step_s"], 2) for x in r["runs"])
+        out.append(f"| {r['variant']} | {_f(r['median_first_step_s'], 2)} | {_f(r['median_first_segment_s'], 2)} | "
+                   f"{_f(r['ratio_vs_tf_first'])} | {runs} |")
+    return out + [""]
+
+
 def _costly_envs(results: Path) -> list[str]:
     """Section 2c: actor efficiency on the envs whose step costs (``python -m bench actors --env ID``)."""
     found = sorted(results.glob("actors-*.json"))
@@ -133,6 +155,7 @@ def write_report(results: Path, doc: Path) -> None:
             out.append(f"| {r['acting']} | {_f(r['env_steps_per_s'], 0)} | {_f(r['ratio_vs_numpy'])} | "
                        f"{', '.join(_f(x, 0) for x in r['runs'])} |")
         out += [""]
+    out += _first_step(results)
     out += ["## 2. Actor efficiency and scaling, 1 to 32 workers", ""]
     if actors:
         out += [f"Command: `{actors['command']}` (section `actors`). System: `launcher up --backend process --algo ppo` on",

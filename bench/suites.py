@@ -28,6 +28,7 @@ def _baseline_solve(seed: int) -> tuple[float, int, bool]:
 
 def time_to_solve(seeds: list[int]) -> dict[str, Any]:
     contenders = {"launcher ppo, 8 workers": ("--algo", "ppo"),
+                  "launcher ppo, 8 workers, TensorFlow first": ("--algo", "ppo"),
                   "launcher ppo, 8 workers, XLA (jit_compile=true)": ("--algo", "ppo", "--set", "jit_compile=true"),
                   "launcher ppo, 8 workers, sync=true": ("--algo", "ppo", "--set", "sync=true"),
                   "launcher a3c, 8 workers": ("--algo", "a3c")}
@@ -39,7 +40,8 @@ def time_to_solve(seeds: list[int]) -> dict[str, Any]:
             with tempfile.TemporaryDirectory() as tmp:
                 t0 = time.time()
                 wall, code, doc = run_up(Path(tmp), "--backend", "process", "--workers", "8", "--env", "CartPole-v1",
-                                         *args, "--until-return", "475", "--seed", str(seed), "--max-steps", "2000000")
+                                         *args, "--until-return", "475", "--seed", str(seed), "--max-steps", "2000000",
+                                         extra_env=TF_FIRST if name.endswith("TensorFlow first") else None)
                 first = _first_segment_at(Path(tmp) / str(doc.get("run_id")))
             s = doc.get("summary", {})
             rows[name].append({"seed": seed, "wall_s": wall, "env_steps": s.get("env_steps"), "solved": code == 0,
@@ -54,6 +56,50 @@ def time_to_solve(seeds: list[int]) -> dict[str, Any]:
                       "solved": f"{sum(r['solved'] for r in rs)}/{len(rs)}", "ratio_vs_baseline": med / base,
                       "runs": rs})
     return {"table": table, "seeds": seeds}
+
+
+TF_FIRST = {"WORKER_EARLY_START": "0"}  # the master builds TensorFlow before serving the groups (as before issue 28)
+
+
+def _first_step_at(run: Path) -> float | None:
+    """When the run's first group started playing (epoch seconds), from the groups' logs: its ``playing`` line
+    comes right after it got the SETUP and the first weights, before its first env step."""
+    import re
+
+    found = []
+    for log in (run / "logs").glob("group-*.log"):
+        for line in log.read_text(errors="replace").splitlines():
+            m = re.match(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) \S+ INFO group \d+ playing", line)
+            if m:
+                found.append(time.mktime(time.strptime(m.group(1), "%Y-%m-%d %H:%M:%S")) + int(m.group(2)) / 1000)
+                break
+    return min(found) if found else None
+
+
+def first_step(reps: int = 5, workers: int = 8) -> dict[str, Any]:
+    """Seconds from starting ``launcher up`` (process backend, CartPole, ``workers`` workers) to the first group
+    playing and to the first segment with a finished episode at the master: the master serving a numpy-made
+    first policy while TensorFlow loads (the default) against TensorFlow first, ``reps`` interleaved pairs."""
+    variants = {"numpy-made first policy (default)": {}, "TensorFlow first (WORKER_EARLY_START=0)": TF_FIRST}
+    rows: dict[str, list[dict[str, Any]]] = {name: [] for name in variants}
+    for _ in range(reps):
+        for name, extra in variants.items():
+            with tempfile.TemporaryDirectory() as tmp:
+                t0 = time.time()
+                wall, code, doc = run_up(Path(tmp), "--backend", "process", "--workers", str(workers), "--env",
+                                         "CartPole-v1", "--max-steps", "20000", extra_env=extra)
+                run = Path(tmp) / str(doc.get("run_id"))
+                step, seg = _first_step_at(run), _first_segment_at(run)
+            rows[name].append({"first_step_s": None if step is None else step - t0,
+                               "first_segment_s": None if seg is None else seg - t0, "exit": code})
+    def med(rs: list[dict[str, Any]], key: str) -> float:
+        return median([r[key] for r in rs if r[key] is not None])
+
+    base = med(rows["TensorFlow first (WORKER_EARLY_START=0)"], "first_step_s")
+    table = [{"variant": name, "median_first_step_s": med(rs, "first_step_s"),
+              "median_first_segment_s": med(rs, "first_segment_s"),
+              "ratio_vs_tf_first": med(rs, "first_step_s") / base, "runs": rs} for name, rs in rows.items()]
+    return {"table": table, "workers": workers, "reps": reps}
 
 
 def _first_segment_at(run: Path) -> float | None:
