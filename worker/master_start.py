@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import sys
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -176,4 +177,4 @@ class Starting:
                  host, port, spec.algo, spec.env_id, spec.total_workers, len(spec.groups), self.schedule.kind)
         self.metrics.write({"type": "event", "t": time.time(), "event": "master_started",
                             "env_steps": self.tally.c.env_steps, "updates": self.tally.c.updates,
-                            "acting": self.acting["path"]})
+                            "acting": self.acting["path"], "tensorflow_loaded": "tensorflow" in sys.modules})

@@ -108,3 +108,29 @@ def test_the_same_seed_gives_the_same_start_and_another_seed_another() -> None:
     a, b, c = numpy_network(arch, 1)[1], numpy_network(arch, 1)[1], numpy_network(arch, 2)[1]
     assert all(np.array_equal(a[k], b[k]) for k in a)
     assert not np.array_equal(a["pi_h0/kernel"], c["pi_h0/kernel"])
+
+
+@pytest.mark.parametrize("early", [True, False])
+def test_a_run_serves_its_groups_before_tensorflow_loads(tmp_path: Path, early: bool) -> None:
+    """A real run (process backend): the master listens and serves the groups before it imports TensorFlow,
+    their version-0 payloads are learned from, and the run says how its groups' first policy was made. With
+    WORKER_EARLY_START=0 it starts the old way (TensorFlow first), as a benchmark's baseline does."""
+    import json
+
+    from tests.helpers import only_run, read_json, run_launcher
+
+    extra = {} if early else {"WORKER_EARLY_START": "0"}
+    out = run_launcher("up", "--backend", "process", "--gpus", "none", "--workers", "2", "--env", "CartPole-v1",
+                       "--max-steps", "3000", "--results", str(tmp_path), "--json", timeout=300, **extra)
+    assert out.returncode == 0, out.stderr[-3000:]
+    run = only_run(tmp_path)
+    events = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    (started,) = [e for e in events if e.get("event") == "master_started"]
+    assert started["tensorflow_loaded"] is (not early)
+    assert read_json(run / "summary.json")["acting"] == "numpy"
+    acting = read_json(run / "status.json")["acting"]
+    assert acting["path"] == "numpy" and acting["max_error"] <= 1.0
+    assert ("made in numpy before TensorFlow loaded" in acting["reason"]) is early, acting
+    assert read_json(run / "summary.json")["updates"] >= 1
+    master_log = (run / "logs" / "master.log").read_text()
+    assert ("numpy-made first policy matches Keras" in master_log) is early
