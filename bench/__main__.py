@@ -42,16 +42,22 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench")
     parser.add_argument("which", nargs="*", default=["all"],
                         choices=["all", "tts", "actors", "acting", "learning", "update", "transport", "memory",
-                                 "launch", "start", "report"])
+                                 "launch", "start", "peers", "report"])
     parser.add_argument("--quick", action="store_true", help="fewer seeds and repetitions")
     parser.add_argument("--env", default="CartPole-v1", help="actors: the env (e.g. launcher/Snake-v0, ALE/Pong-v5)")
     parser.add_argument("--workers", default="1,2,4,8,16,32", help="actors: worker counts, comma-separated")
     parser.add_argument("--steps", type=int, default=None, help="actors: env steps per system run")
+    parser.add_argument("--tasks", default="cartpole,acrobot,pendulum,invpend",
+                        help="peers: tasks (cartpole, acrobot, pendulum, invpend), comma-separated")
+    parser.add_argument("--peers", default="sb3,rllib", help="peers: which (sb3, rllib), comma-separated")
+    parser.add_argument("--seeds", type=int, default=3, help="peers: seeds per task (at least 3 for the table)")
     args = parser.parse_args(argv)
     which = set(args.which)
     if "all" in which:
         which = {"transport", "actors", "acting", "learning", "update", "memory", "launch", "start", "tts"}
     cmd = "python -m bench " + " ".join(args.which) + (" --quick" if args.quick else "")
+    if "peers" in which:
+        cmd += f" --tasks {args.tasks} --peers {args.peers} --seeds {args.seeds}"
     if args.env != "CartPole-v1" or args.workers != "1,2,4,8,16,32" or args.steps:
         cmd += f" --env {args.env} --workers {args.workers}" + (f" --steps {args.steps}" if args.steps else "")
     from bench import suites, transport
@@ -92,6 +98,14 @@ def main(argv: list[str] | None = None) -> int:
         save("start", data, cmd)
         _print("first env step, 8 workers", data["table"], ("variant", "median_first_step_s", "median_first_segment_s",
                                                             "ratio_vs_tf_first"))
+    if "peers" in which:
+        from bench import peers
+
+        data = peers.peers(args.tasks.split(","), args.peers.split(","), list(range(args.seeds)))
+        save("peers", data, cmd)
+        for t in data["tasks"].values():
+            _print(f"{t['env_id']} to {t['target']:g}", t["table"], ("contender", "solved", "median_wall_s",
+                                                                   "median_env_steps", "ratio_vs_ours"))
     if "tts" in which:
         data = suites.time_to_solve([0, 1] if args.quick else [0, 1, 2])
         save("tts", data, cmd)

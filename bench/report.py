@@ -265,4 +265,7 @@ def write_report(results: Path, doc: Path) -> None:
     extra = Path(__file__).resolve().parent / "notes.md"
     if extra.exists():
         out += [extra.read_text()]
+    from bench.peers import report as peers_report
+
+    out += peers_report(_load(results, "peers"))
     doc.write_text("\n".join(out).rstrip() + "\n")

@@ -1,0 +1,238 @@
+"""``python -m bench peers``: the same targets side by side with what users would pick instead (issue 28 item 4).
+
+Each contender trains from a fresh process to a task's target (the mean return of the last 100 episodes), and
+the wall time from the process's start to the target is what counts (imports and start-up included, as a user
+waits for them). Runs are interleaved (per seed: ours, then each peer), medians over the seeds.
+
+Peers run in their own throw-away virtual environments, made here under ``~/.cache/launcher-bench/peers/<peer>``
+(``LAUNCHER_BENCH_PEERS`` moves it) with pinned versions. They pull PyTorch: from PyPI that is the CUDA build, a
+venv of 5-6 GB each, so this suite is optional, never part of ``bench all`` or CI.
+
+* **Stable-Baselines3 PPO** with the rl-baselines3-zoo settings for each task (``hyperparams/ppo.yml``, given
+  below as they are there, ``lin_X`` as a linear schedule from X to 0 over the zoo's ``n_timesteps``, which is
+  also the run's budget), ``DummyVecEnv`` as the zoo does, ``VecNormalize`` where the zoo normalises, on CPU.
+* **RLlib PPO** (new API stack) with its tuned example's settings for CartPole and its defaults elsewhere, local
+  env runners on the machine's cores.
+* Ours: ``launcher up --backend process --workers 8 --algo ppo --until-return TARGET`` with the defaults.
+
+Sample Factory is not driven here yet (see docs/benchmarks.md for the figure measured by hand and why).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from bench.common import median, run_up
+
+PEERS_DIR = Path(os.environ.get("LAUNCHER_BENCH_PEERS", Path.home() / ".cache" / "launcher-bench" / "peers"))
+
+
+@dataclass(frozen=True)
+class Task:
+    env_id: str
+    target: float
+    our_max_steps: int  # our run's budget; a peer's is its own config's
+
+
+TASKS = {
+    "cartpole": Task("CartPole-v1", 475.0, 2_000_000),
+    "acrobot": Task("Acrobot-v1", -100.0, 2_000_000),
+    "pendulum": Task("Pendulum-v1", -250.0, 2_000_000),
+    "invpend": Task("InvertedPendulum-v5", 950.0, 2_000_000),
+}
+
+# rl-baselines3-zoo hyperparams/ppo.yml (commit 00128b5), per task; InvertedPendulum-v5 takes the zoo's -v3 entry.
+ZOO_PPO: dict[str, dict[str, Any]] = {
+    "CartPole-v1": {"n_envs": 8, "n_timesteps": 100_000, "n_steps": 32, "batch_size": 256, "gae_lambda": 0.8,
+                    "gamma": 0.98, "n_epochs": 20, "ent_coef": 0.0, "learning_rate": "lin_0.001",
+                    "clip_range": "lin_0.2"},
+    "Acrobot-v1": {"normalize": True, "n_envs": 16, "n_timesteps": 1_000_000, "n_steps": 256, "gae_lambda": 0.94,
+                   "gamma": 0.99, "n_epochs": 4, "ent_coef": 0.0},
+    "Pendulum-v1": {"n_envs": 4, "n_timesteps": 100_000, "n_steps": 1024, "gae_lambda": 0.95, "gamma": 0.9,
+                    "n_epochs": 10, "ent_coef": 0.0, "learning_rate": 1e-3, "clip_range": 0.2, "use_sde": True,
+                    "sde_sample_freq": 4},
+    "InvertedPendulum-v5": {"normalize": True, "n_envs": 1, "n_timesteps": 1_000_000, "batch_size": 64,
+                            "n_steps": 32, "gamma": 0.999, "learning_rate": 0.000222425, "ent_coef": 1.37976e-07,
+                            "clip_range": 0.4, "n_epochs": 5, "gae_lambda": 0.9, "max_grad_norm": 0.3,
+                            "vf_coef": 0.19816},
+}
+
+SB3_DRIVER = r'''
+import json, sys
+import numpy as np
+from stable_baselines3 import PPO
+from stable_baselines3.common.callbacks import BaseCallback
+from stable_baselines3.common.env_util import make_vec_env
+from stable_baselines3.common.vec_env import VecNormalize
+
+job = json.loads(sys.argv[1])
+hp = dict(job["hp"])
+n_envs, budget, normalize = hp.pop("n_envs"), hp.pop("n_timesteps"), hp.pop("normalize", False)
+for key in ("learning_rate", "clip_range"):
+    if isinstance(hp.get(key), str) and hp[key].startswith("lin_"):
+        start = float(hp[key][4:])
+        hp[key] = lambda progress_remaining, start=start: progress_remaining * start
+env = make_vec_env(job["env_id"], n_envs=n_envs, seed=job["seed"])
+if normalize:
+    env = VecNormalize(env, gamma=hp.get("gamma", 0.99))
+
+class Target(BaseCallback):
+    solved = False
+    def _on_step(self):
+        buf = self.model.ep_info_buffer
+        if len(buf) >= 100 and np.mean([e["r"] for e in buf]) >= job["target"]:
+            Target.solved = True
+            return False
+        return True
+
+model = PPO("MlpPolicy", env, seed=job["seed"], device="cpu", verbose=0, **hp)
+model.learn(total_timesteps=budget, callback=Target())
+buf = model.ep_info_buffer
+print(json.dumps({"env_steps": int(model.num_timesteps), "solved": Target.solved,
+                  "mean_return": float(np.mean([e["r"] for e in buf])) if buf else None}))
+'''
+
+RLLIB_DRIVER = r'''
+import json, sys
+import ray
+from ray.rllib.algorithms.ppo import PPOConfig
+
+job = json.loads(sys.argv[1])
+ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+config = (PPOConfig().environment(job["env_id"]).env_runners(num_env_runners=1, num_envs_per_env_runner=8)
+          .debugging(seed=job["seed"]))
+if job["env_id"] == "CartPole-v1":  # rllib/tuned_examples/ppo/cartpole_ppo.py
+    config = config.training(lr=0.0003, num_epochs=6, vf_loss_coeff=0.01)
+algo = config.build()
+steps, mean, solved = 0, None, False
+while steps < job["budget"]:
+    result = algo.train()
+    runners = result.get("env_runners", {})
+    steps = int(result.get("num_env_steps_sampled_lifetime") or runners.get("num_env_steps_sampled_lifetime") or 0)
+    mean = runners.get("episode_return_mean")
+    if mean is not None and mean >= job["target"]:
+        solved = True
+        break
+print(json.dumps({"env_steps": steps, "solved": solved, "mean_return": mean}))
+'''
+
+
+@dataclass(frozen=True)
+class Peer:
+    name: str
+    packages: tuple[str, ...]
+    driver: str
+
+    @property
+    def python(self) -> Path:
+        return PEERS_DIR / self.name / "bin" / "python"
+
+    def ensure(self) -> None:
+        """Make the peer's venv once (minutes; several GB)."""
+        if self.python.exists():
+            return
+        print(f"making the {self.name} venv under {PEERS_DIR} (PyTorch from PyPI: several GB)", file=sys.stderr)
+        subprocess.run(["/usr/bin/python3.11" if Path("/usr/bin/python3.11").exists() else sys.executable, "-m",
+                        "venv", str(PEERS_DIR / self.name)], check=True)
+        subprocess.run([str(self.python), "-m", "pip", "install", "-q", *self.packages], check=True)
+
+    def job(self, task: Task, seed: int) -> dict[str, Any]:
+        hp = ZOO_PPO[task.env_id]
+        return {"env_id": task.env_id, "target": task.target, "seed": seed, "hp": hp, "budget": hp["n_timesteps"]}
+
+
+PEERS = {
+    "sb3": Peer("sb3", ("torch==2.5.1", "stable-baselines3==2.4.1", "gymnasium==1.0.0", "mujoco>=3.1,<3.3"),
+                SB3_DRIVER),
+    "rllib": Peer("rllib", ("torch==2.5.1", "ray[rllib]==2.40.0", "gymnasium==1.0.0", "mujoco>=3.1,<3.3"),
+                  RLLIB_DRIVER),
+}
+PEER_LABELS = {"sb3": "Stable-Baselines3 PPO (rl-zoo settings)", "rllib": "RLlib PPO"}
+
+
+def _run_peer(peer: Peer, task: Task, seed: int) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    p = subprocess.run([str(peer.python), "-c", peer.driver, json.dumps(peer.job(task, seed))], cwd=tempfile.gettempdir(),
+                       env={"PATH": os.environ.get("PATH", ""), "HOME": str(Path.home()), "OMP_NUM_THREADS": "2"},
+                       capture_output=True, text=True, timeout=3600)
+    wall = time.perf_counter() - t0
+    try:
+        doc = json.loads(p.stdout.strip().splitlines()[-1])
+    except (IndexError, ValueError):
+        doc = {"solved": False, "error": p.stderr[-1500:]}
+    return {"seed": seed, "wall_s": wall, **doc}
+
+
+def _run_ours(task: Task, seed: int) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as tmp:
+        wall, code, doc = run_up(Path(tmp), "--backend", "process", "--workers", "8", "--env", task.env_id, "--algo",
+                                 "ppo", "--until-return", str(task.target), "--seed", str(seed), "--max-steps",
+                                 str(task.our_max_steps), timeout=3600)
+    s = doc.get("summary", {})
+    return {"seed": seed, "wall_s": wall, "env_steps": s.get("env_steps"), "solved": code == 0,
+            "mean_return": s.get("mean_return")}
+
+
+def peers(tasks: list[str], peer_names: list[str], seeds: list[int]) -> dict[str, Any]:
+    """Each task: per seed, ours then each peer (interleaved); medians over the seeds that solved."""
+    chosen = [PEERS[n] for n in peer_names]
+    for p in chosen:
+        p.ensure()
+    out: dict[str, Any] = {"tasks": {}, "seeds": seeds, "peers": {p.name: list(p.packages) for p in chosen},
+                           "zoo_ppo": {TASKS[t].env_id: ZOO_PPO[TASKS[t].env_id] for t in tasks}}
+    for name in tasks:
+        task = TASKS[name]
+        rows: dict[str, list[dict[str, Any]]] = {"launcher ppo, 8 workers": []}
+        rows.update({PEER_LABELS[p.name]: [] for p in chosen})
+        for seed in seeds:
+            rows["launcher ppo, 8 workers"].append(_run_ours(task, seed))
+            for p in chosen:
+                rows[PEER_LABELS[p.name]].append(_run_peer(p, task, seed))
+        table = []
+        for label, rs in rows.items():
+            solved = [r for r in rs if r.get("solved")]
+            table.append({"contender": label, "solved": f"{len(solved)}/{len(rs)}",
+                          "median_wall_s": median([r["wall_s"] for r in solved]) if solved else None,
+                          "median_env_steps": median([r["env_steps"] for r in solved]) if solved else None,
+                          "runs": rs})
+        ours = table[0]["median_wall_s"]
+        for row in table:
+            row["ratio_vs_ours"] = (row["median_wall_s"] / ours) if ours and row["median_wall_s"] else None
+        out["tasks"][name] = {"env_id": task.env_id, "target": task.target, "table": table}
+    return out
+
+
+def report(d: dict[str, Any] | None) -> list[str]:
+    """Section 10 of docs/benchmarks.md."""
+    out = ["## 10. Side by side with the peers users would pick instead", ""]
+    if not d:
+        return out + ["Not measured yet: `python -m bench peers` (optional; makes venvs of several GB).", ""]
+    out += [f"Command: `{d['command']}` (section `peers`; measured {d['meta'].get('date', '?')}, commit "
+            f"`{d['meta'].get('commit', '?')}`, seeds {d['seeds']}, interleaved: per seed ours, then each peer). "
+            "Wall seconds from the process's start to the mean return of the last 100 episodes reaching the target, "
+            "imports and start-up included, medians over the seeds that solved; *ratio* is the contender's median over "
+            "ours (above 1: ours is faster). Peers' venvs: " +
+            "; ".join(f"{k}: {', '.join(v)}" for k, v in d["peers"].items()) + ". Stable-Baselines3 runs the "
+            "rl-baselines3-zoo PPO settings of each task (listed in `bench/peers.py` and the results file), with the "
+            "zoo's step budget.", ""]
+    for t in d["tasks"].values():
+        out += [f"**{t['env_id']}**, target {t['target']:g}:", "",
+                "| contender | solved | median wall s | median env steps | ratio vs ours | runs (s) |",
+                "|---|---|---|---|---|---|"]
+        for r in t["table"]:
+            runs = ", ".join(f"{x['wall_s']:.1f}{'' if x.get('solved') else ' (not solved)'}" for x in r["runs"])
+            med = "-" if r["median_wall_s"] is None else f"{r['median_wall_s']:.1f}"
+            steps = "-" if r["median_env_steps"] is None else f"{int(r['median_env_steps']):,}"
+            ratio = "-" if r["ratio_vs_ours"] is None else f"{r['ratio_vs_ours']:.2f}"
+            out.append(f"| {r['contender']} | {r['solved']} | {med} | {steps} | {ratio} | {runs} |")
+        out += [""]
+    return out
+
