@@ -15,7 +15,7 @@ import os
 import sys
 from typing import NoReturn
 
-from worker.contract import EXIT_BAD_SPEC, EXIT_FAILED, LOG_LEVEL_ENV, MASTER_ADDR_ENV
+from worker.contract import EXIT_BAD_SPEC, EXIT_FAILED, LOG_LEVEL_ENV, MASTER_ADDR_ENV, parse_addr
 
 
 def _load_spec(path: str | None):  # -> RunSpec
@@ -76,11 +76,10 @@ def main(argv: list[str] | None = None) -> int:
     from worker.algorithms import UserCodeError
     from worker.group import EXIT_USER_CODE, WorkerGroup, install_signal_handlers as group_signals
 
-    addr = os.environ.get(MASTER_ADDR_ENV, f"{spec.connect_host}:{spec.master_port}")
-    host, _, port = addr.rpartition(":")
     where = f"group {args.index}"
     try:
-        group = WorkerGroup(spec, args.index, secret, (host.strip("[]"), int(port)))
+        addr = parse_addr(os.environ.get(MASTER_ADDR_ENV, f"{spec.connect_host}:{spec.master_port}"))
+        group = WorkerGroup(spec, args.index, secret, addr)
     except UserCodeError as exc:  # the pre-flight check passed, yet here the algorithm cannot be loaded
         logging.getLogger("worker").error("cannot start: %s", exc)
         say_fatal(exc, f"{where}: loading the algorithm")

@@ -23,7 +23,7 @@ from typing import Any
 SPEC_ENV = "LAUNCHER_SPEC"  # the run spec as JSON (or ``--spec FILE``)
 SECRET_ENV = "LAUNCHER_SECRET"  # the run secret itself (process backend)
 SECRET_FILE_ENV = "LAUNCHER_SECRET_FILE"  # a file holding the run secret (Docker/Swarm secret)
-MASTER_ADDR_ENV = "LAUNCHER_MASTER_ADDR"  # host:port a group dials; overrides the spec's connect_host:master_port
+MASTER_ADDR_ENV = "LAUNCHER_MASTER_ADDR"  # host:port or unix:PATH a group dials; overrides connect_host:master_port
 TF_THREADS_ENV = "LAUNCHER_TF_THREADS"  # TensorFlow intra/inter-op threads (0: TF's default)
 LOG_LEVEL_ENV = "LAUNCHER_LOG_LEVEL"  # logging level of a run's process (default INFO)
 LISTEN_FD_ENV = "LAUNCHER_LISTEN_FD"  # an inherited, already-bound listening socket (process backend)
@@ -49,6 +49,28 @@ SWARM_MASTER = ("auto", "local", "storage", "any")  # where a Swarm run's master
 DEFAULT_MIN_FREE_MEMORY = "1GiB"  # a GPU with less free memory is not chosen
 DEFAULT_MAX_UTILIZATION_PCT = 50.0  # a GPU busier than this (percent) is not chosen
 SPEC_VERSION = 1
+
+
+UNIX_PREFIX = "unix:"  # a master address that is a Unix socket's path (the process backend's default)
+
+
+def parse_addr(addr: str) -> str | tuple[str, int]:
+    """``"unix:/path"`` -> ``"/path"`` (a Unix socket); ``"host:port"`` or ``"[v6]:port"`` -> ``(host, port)``.
+    Raises ValueError naming the address when it is neither."""
+    if addr.startswith(UNIX_PREFIX):
+        path = addr[len(UNIX_PREFIX):]
+        if not path.startswith("/"):
+            raise ValueError(f"master address {addr!r}: a unix: address needs an absolute path")
+        return path
+    host, sep, port = addr.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"master address {addr!r} is not host:port or unix:/path")
+    return host.strip("[]"), int(port)
+
+
+def format_addr(addr: str | tuple[str, int]) -> str:
+    """The inverse of :func:`parse_addr`."""
+    return f"{UNIX_PREFIX}{addr}" if isinstance(addr, str) else f"{addr[0]}:{addr[1]}"
 
 
 def plain_env_id(env_id: str) -> str:

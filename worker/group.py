@@ -28,7 +28,6 @@ import enum
 import logging
 import random
 import signal
-import socket
 import threading
 import time
 import traceback
@@ -40,9 +39,9 @@ from worker.acting import ActingRuntime, Setup
 from worker.algorithms import build_model, describe, load_algorithm, resolve_hparams
 from worker.api import ActorContext, Reject, Spaces
 from worker.contract import (EXIT_OK, EXTRA_PREFIX, GROUP_AUTH_REFUSED_EXIT, GROUP_MASTER_GONE_EXIT,
-                             GROUP_USER_CODE_EXIT, RunSpec)
+                             GROUP_USER_CODE_EXIT, RunSpec, format_addr)
 from worker.envs import make_vector_env
-from worker.protocol import Connection, Message, MsgType, PeerClosed, ProtocolError, client_handshake
+from worker.protocol import Connection, Message, MsgType, PeerClosed, ProtocolError, client_handshake, dial
 from worker.protocol.frames import DTYPES as WIRE_DTYPES
 from worker.segments import EpisodeCounter
 from worker.validate import EP_LENGTHS, EP_RETURNS
@@ -82,11 +81,11 @@ class WorkerGroup:
         spec: the run spec.
         index: which group this process is.
         secret: the run secret.
-        master_addr: (host, port) to dial.
+        master_addr: (host, port) to dial, or a Unix socket's path.
         reconnect_deadline_s: give up after the master has been unreachable this long.
     """
 
-    def __init__(self, spec: RunSpec, index: int, secret: bytes, master_addr: tuple[str, int], *,
+    def __init__(self, spec: RunSpec, index: int, secret: bytes, master_addr: str | tuple[str, int], *,
                  reconnect_deadline_s: float = 60.0) -> None:
         self.spec = spec
         self.assign = spec.group(index)
@@ -117,7 +116,7 @@ class WorkerGroup:
         delay, first_fail = 0.1, None
         while not self._stop.is_set():
             try:
-                s = socket.create_connection(self.master_addr, timeout=self.spec.handshake_timeout_s)
+                s = dial(self.master_addr, timeout=self.spec.handshake_timeout_s)
                 conn = Connection(s, max_frame_bytes=self.spec.max_frame_bytes, timeout_s=self.spec.heartbeat_timeout_s)
                 # The kernel accepts into the backlog before the master (still importing TensorFlow) calls
                 # accept(); wait for its challenge as long as we would wait for a heartbeat.
@@ -139,7 +138,7 @@ class WorkerGroup:
             now = time.monotonic()
             first_fail = first_fail or now
             if now - first_fail > self.reconnect_deadline_s:
-                raise MasterGone(f"master {self.master_addr[0]}:{self.master_addr[1]} unreachable for "
+                raise MasterGone(f"master {format_addr(self.master_addr)} unreachable for "
                                  f"{self.reconnect_deadline_s:.0f} s (last error: {err})")
             log.info("group %d: master not reachable (%s); retrying in %.1f s", self.index, err, delay)
             self._stop.wait(delay * (0.5 + random.random()))

@@ -181,7 +181,8 @@ class LinkServer:
                     s.close()
                     continue
                 self._open += 1
-            threading.Thread(target=self._serve, args=(s,), name=f"peer-{addr[0]}:{addr[1]}", daemon=True).start()
+            peer = f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else "unix"
+            threading.Thread(target=self._serve, args=(s,), name=f"peer-{peer}", daemon=True).start()
 
     def _heartbeat_loop(self) -> None:
         while not self._stopping.wait(self.hb_interval / 2):

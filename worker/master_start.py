@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from worker.acting import decide_acting
 from worker.algorithms import build_model, load_algorithm, resolve_hparams
 from worker.api import LearnerContext, Spaces
-from worker.contract import TF_THREADS_ENV, RunFiles, RunSpec
+from worker.contract import TF_THREADS_ENV, RunFiles, RunSpec, format_addr
 from worker.early import EarlyStart
 from worker.envs import make_env
 from worker.links import Counters, GroupLink, LinkServer, listening_socket
@@ -165,16 +165,17 @@ class Starting:
     def _serve(self) -> None:
         spec = self.spec
         sock = self._listen()
-        host, port = sock.getsockname()[:2]
-        atomic_write_text(self.files.master_addr, f"{host}:{port}\n")
+        bound = sock.getsockname()
+        where = format_addr(bound if isinstance(bound, str) else (bound[0], bound[1]))
+        atomic_write_text(self.files.master_addr, f"{where}\n")
         self.server = LinkServer(
             sock, secret=self.secret, run_id=spec.run_id, max_frame_bytes=spec.max_frame_bytes,
             heartbeat_interval_s=spec.heartbeat_interval_s, heartbeat_timeout_s=spec.heartbeat_timeout_s,
             handshake_timeout_s=spec.handshake_timeout_s, max_connections=spec.max_connections,
             counters=self.counters_net, on_join=self._on_join, on_message=self._on_message, on_leave=self._on_leave)
         self.server.start()
-        log.info("master of run %s listening on %s:%d (%s on %s, %d workers in %d groups, %s schedule)", spec.run_id,
-                 host, port, spec.algo, spec.env_id, spec.total_workers, len(spec.groups), self.schedule.kind)
+        log.info("master of run %s listening on %s (%s on %s, %d workers in %d groups, %s schedule)", spec.run_id,
+                 where, spec.algo, spec.env_id, spec.total_workers, len(spec.groups), self.schedule.kind)
         self.metrics.write({"type": "event", "t": time.time(), "event": "master_started",
                             "env_steps": self.tally.c.env_steps, "updates": self.tally.c.updates,
                             "acting": self.acting["path"], "tensorflow_loaded": "tensorflow" in sys.modules})

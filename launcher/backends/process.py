@@ -23,8 +23,10 @@ import logging
 import os
 import signal
 import socket
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -33,7 +35,7 @@ from launcher.backends import envcheck
 from launcher.backends.base import (Backend, BackendStatus, DownReport, Event, FoundRun, Part, PartState, PreparedRun,
                                     name_order)
 from launcher.backends.process_children import LOG_CAP_BYTES, ORPHAN_GRACE_S, _Child, _Reaper
-from launcher.backends.process_specs import process_specs
+from launcher.backends.process_specs import process_specs, uses_unix_socket
 from launcher.backends.specs import LaunchSpecs, PartSpec
 from launcher.config import RunConfig
 from launcher.errors import BadInput
@@ -41,7 +43,7 @@ from launcher.gpu.placement import Plan
 from launcher.procs import belongs, identity, launcher_record, send_signal, wait_gone
 from launcher.safefs import distrust
 from launcher.runs import RunDir, list_runs
-from worker.contract import LISTEN_FD_ENV, MASTER_LOG, group_log_name
+from worker.contract import LISTEN_FD_ENV, MASTER_LOG, format_addr, group_log_name
 
 log = logging.getLogger(__name__)
 
@@ -81,11 +83,12 @@ class ProcessBackend(Backend):
         self.groups: dict[int, _Child] = {}
         self.run: PreparedRun | None = None
         self._sock: socket.socket | None = None
+        self._sock_dir: Path | None = None  # the Unix socket's private directory, removed at stop
 
-    def specs(self, run: PreparedRun, *, port: int | None = None) -> LaunchSpecs:
+    def specs(self, run: PreparedRun, *, port: int | None = None, master_addr: str | None = None) -> LaunchSpecs:
         """Each part's argv and the environment set over this launcher's (:func:`process_specs`); ``start``
-        gives it the port it bound."""
-        return process_specs(run, python=self.python, environ=os.environ, port=port)
+        gives it the address it bound."""
+        return process_specs(run, python=self.python, environ=os.environ, port=port, master_addr=master_addr)
 
     def check_env(self, cfg: RunConfig, plan: Plan, run_id: str) -> dict[str, Any]:
         """The groups run this interpreter: ask it (:func:`check_on_host`)."""
@@ -98,20 +101,11 @@ class ProcessBackend(Backend):
 
     def start(self, run: PreparedRun) -> None:
         self.run = run
-        host = run.spec.master_host
-        try:
-            sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind((host, run.spec.master_port))
-            sock.listen(256)
-        except OSError as exc:
-            raise BadInput(f"cannot listen on {host}:{run.spec.master_port}: {exc.strerror}",
-                           hint="pick another --port, or 0 for any free port") from None
+        sock, addr = self._listen(run)
         self._sock = sock
-        port = sock.getsockname()[1]
         logs = run.run_dir.files.logs
         logs.mkdir(exist_ok=True)
-        specs = self.specs(run, port=port)
+        specs = self.specs(run, master_addr=addr)
         inherited = envcheck.inherited_env(os.environ)
 
         def env_of(part: PartSpec, **at_start: str) -> dict[str, str]:
@@ -133,8 +127,8 @@ class ProcessBackend(Backend):
             self.groups[g.index] = child
         # The launcher keeps its copy of the listening socket: a new master started in place of a dead one
         # (restart_master) gets the same address, and connections made meanwhile wait in its backlog.
-        log.info("started master (pid %s) and %d groups on 127.0.0.1:%d", self.master.proc and self.master.proc.pid,
-                 len(self.groups), port)
+        log.info("started master (pid %s) and %d groups; the master listens on %s",
+                 self.master.proc and self.master.proc.pid, len(self.groups), addr)
 
     @staticmethod
     def _part(child: _Child) -> Part:
@@ -172,6 +166,33 @@ class ProcessBackend(Backend):
         os.write(child.open_log(), f"--- launcher: restarting {child.name} (restart {child.restarts}) ---\n".encode())
         self._start_child(child)
 
+    def _listen(self, run: PreparedRun) -> tuple[socket.socket, str]:
+        """The master's listening socket, bound here so the groups can dial at once, and its address: a Unix
+        socket in a fresh directory of mode 0700 (no other user can connect, so none can flood the master's
+        pre-authentication slots), or TCP at ``--port``."""
+        if uses_unix_socket(run):
+            self._sock_dir = Path(tempfile.mkdtemp(prefix="launcher-"))  # 0700, this user's
+            path = self._sock_dir / "master.sock"
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                sock.bind(str(path))
+                sock.listen(256)
+            except OSError as exc:
+                sock.close()
+                raise BadInput(f"cannot listen on the Unix socket {path}: {exc.strerror}",
+                               hint="set TMPDIR to a writable local directory, or give --port") from None
+            return sock, format_addr(str(path))
+        host = run.spec.master_host
+        try:
+            sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, run.spec.master_port))
+            sock.listen(256)
+        except OSError as exc:
+            raise BadInput(f"cannot listen on {host}:{run.spec.master_port}: {exc.strerror}",
+                           hint="pick another --port, or 0 for any free port") from None
+        return sock, format_addr((run.spec.connect_host, sock.getsockname()[1]))
+
     def restart_master(self) -> None:
         """A new master process in place of the dead one: the same argv, environment, secret, GPU lease descriptors
         and listening socket (still open here), so the groups' reconnects reach it."""
@@ -208,6 +229,9 @@ class ProcessBackend(Backend):
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+        if self._sock_dir is not None:
+            shutil.rmtree(self._sock_dir, ignore_errors=True)
+            self._sock_dir = None
 
     @staticmethod
     def _wait(children: list[_Child], deadline: float) -> None:

@@ -5,7 +5,7 @@ Three layers, one module each: :mod:`~worker.protocol.frames` (the bytes of a me
 :mod:`~worker.protocol.handshake` (proving both ends hold the run secret). Import from here.
 """
 
-from worker.protocol.connection import Connection
+from worker.protocol.connection import Connection, dial
 from worker.protocol.frames import (DTYPES, HEADER, HEADER_SIZE, MAGIC, MAX_META_BYTES, META_LEN, NONCE_BYTES,
                                     PREAUTH_MAX_FRAME, PROTOCOL_VERSION, Message, MsgType, PeerClosed, ProtocolError,
                                     all_finite, decode_payload, encode, encode_parts, parse_header, parse_meta)
@@ -13,5 +13,5 @@ from worker.protocol.handshake import client_handshake, server_handshake, server
 
 __all__ = ["DTYPES", "HEADER", "HEADER_SIZE", "MAGIC", "MAX_META_BYTES", "META_LEN", "NONCE_BYTES", "PREAUTH_MAX_FRAME",
            "PROTOCOL_VERSION", "Connection", "Message", "MsgType", "PeerClosed", "ProtocolError", "all_finite",
-           "client_handshake", "decode_payload", "encode", "encode_parts", "parse_header", "parse_meta",
+           "client_handshake", "decode_payload", "dial", "encode", "encode_parts", "parse_header", "parse_meta",
            "server_handshake", "server_welcome"]

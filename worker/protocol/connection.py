@@ -209,6 +209,20 @@ def _sendall_parts(sock: socket.socket, parts: Sequence[bytes | memoryview]) -> 
                 sent = 0
 
 
+def dial(addr: str | tuple[str, int], timeout: float) -> socket.socket:
+    """A connected stream socket to the master: ``(host, port)`` over TCP, or a Unix socket's path."""
+    if isinstance(addr, tuple):
+        return socket.create_connection(addr, timeout=timeout)
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.settimeout(timeout)
+        s.connect(addr)
+    except BaseException:
+        s.close()
+        raise
+    return s
+
+
 def _peer_name(sock: socket.socket) -> str:
     try:
         name = sock.getpeername()
@@ -216,4 +230,4 @@ def _peer_name(sock: socket.socket) -> str:
         return "?"
     if isinstance(name, tuple) and len(name) >= 2:
         return f"{name[0]}:{name[1]}"
-    return str(name) or "local"
+    return str(name) or "unix"
