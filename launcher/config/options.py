@@ -127,7 +127,8 @@ COMMON_OPTIONS: tuple[Option, ...] = (  # every run reads these, whatever its ba
            metavar="N"),
     Option("timeout", "timeout_s", "duration", "hard wall-clock limit, e.g. 90s, 15m, 1h30m (exit 4)",
            nullable=True, metavar="DURATION"),
-    Option("port", "port", "int", "master port on 127.0.0.1 (process backend); 0: any free port", metavar="N"),
+    Option("port", "port", "int", "master TCP port on 127.0.0.1 (process backend; any local user can dial it); "
+                                  "0, the default: a Unix socket only this user can reach", metavar="N"),
     Option("checkpoint-every", "checkpoint_every", "int", "updates between checkpoints (default: the algorithm's; 25 ppo, 500 a3c)",
            nullable=True, metavar="N"),
     Option("restart-budget", "restart_budget", "int", "restarts per worker group", metavar="N"),
