@@ -196,7 +196,7 @@ def peers(tasks: list[str], peer_names: list[str], seeds: list[int]) -> dict[str
             rows["launcher ppo, 8 workers"].append(_run_ours(task, seed))
             for p in chosen:
                 rows[PEER_LABELS[p.name]].append(_run_peer(p, task, seed))
-        table = []
+        table: list[dict[str, Any]] = []
         for label, rs in rows.items():
             solved = [r for r in rs if r.get("solved")]
             table.append({"contender": label, "solved": f"{len(solved)}/{len(rs)}",
