@@ -26,7 +26,7 @@ from launcher.errors import BadInput, LauncherError, MissingDependency
 from launcher.image import (OFFLINE_BASE_IMAGE, REGISTRY_RE, BuildOptions, BuildResult, Flavour, choose_build_path,
                             find_context, parse_extras)
 from launcher.image_cancel import BuildInterrupted, run_script, stoppable
-from launcher.image_engine_build import ImageBuildFailed, build_context, docker_build
+from launcher.image_engine_build import SOURCE_LABEL, ImageBuildFailed, build_context, docker_build, source_digest
 from launcher.image_extras import build_extras_image
 from launcher.image_progress import BuildReporter, BuildStatus, Progress, as_reporter
 
@@ -51,6 +51,13 @@ def build_image(options: BuildOptions, progress: Progress = lambda line: None, c
         BuildInterrupted: SIGINT/SIGTERM; nothing of the build is left.
     """
     client = client or connect_client()
+    digest = source_digest(options)
+    if not options.no_cache:
+        current = inspect_image(options.tag, client) if image_exists(options.tag, client) else None
+        if current is not None and ((current.get("Config") or {}).get("Labels") or {}).get(SOURCE_LABEL) == digest:
+            progress(f"{options.tag} is up to date: built from this source ({SOURCE_LABEL}={digest}); nothing to "
+                     "build (--no-cache rebuilds it)")
+            return BuildResult(options.tag, current["Id"], int(current.get("Size", 0)), 0.0)
     report = BuildReporter(options.tag, progress, on_build)
     with stoppable(report, client) as layers:
         if options.offline:
@@ -60,7 +67,7 @@ def build_image(options: BuildOptions, progress: Progress = lambda line: None, c
                    f"{'offline, no network' if options.offline else 'online'})")
         with build_context(options) as context:
             docker_build(client, context, options, report, layers, buildargs=options.buildargs(),
-                         network_none=options.offline, no_cache=options.no_cache)
+                         network_none=options.offline, no_cache=options.no_cache, labels={SOURCE_LABEL: digest})
     info = inspect_image(options.tag, client)
     result = BuildResult(options.tag, info["Id"], int(info.get("Size", 0)), time.monotonic() - report.t0)
     progress(f"built {result.tag} ({result.image_id[7:19]}, {result.size_bytes / 1e9:.2f} GB) "

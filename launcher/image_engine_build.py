@@ -73,6 +73,30 @@ def build_context(options: BuildOptions) -> Iterator[IO[bytes]]:
         yield fileobj
 
 
+SOURCE_LABEL = "launcher.source"  # the digest of what an image was built from (:func:`source_digest`)
+
+
+def source_digest(options: BuildOptions) -> str:
+    """What the worker image is built from, as one digest: each context file but the wheels (path, whether it is
+    executable, its content), the build arguments but the revision, and the flavour. The wheels are what
+    ``docker/requirements.py`` (in the digest) asks for; the revision only names the commit (a copy without
+    ``.git`` builds the same image). ``launcher build`` skips a build whose tag already carries this digest."""
+    import hashlib
+
+    root = Path(options.context)
+    patterns = _dockerignore(root) + ["docker/wheels"]
+    h = hashlib.sha256()
+    for rel in context_files(root, patterns):
+        path = root / rel
+        if not path.is_file():
+            continue
+        h.update(f"{rel}\0{int(bool(path.stat().st_mode & 0o111))}\0".encode())
+        h.update(hashlib.sha256(path.read_bytes()).digest())
+    args = {k: v for k, v in options.buildargs().items() if k != "REVISION"}
+    h.update(repr(sorted(args.items())).encode() + options.flavour.value.encode())
+    return h.hexdigest()[:24]
+
+
 def normalize(info: tarfile.TarInfo) -> tarfile.TarInfo:
     """A tar member with no owner: who checked the files out must not change the layer cache key (the legacy
     builder hashes headers)."""

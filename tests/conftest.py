@@ -10,6 +10,7 @@ pytest_plugins += ["tests.testbed.fixtures"]  # swarm_bed, fresh_engine, bed_fac
 pytest_plugins += ["tests.slurmbed.fixtures"]  # slurm_bed: slurmctld + slurmd's in namespaces (root)
 
 import signal
+from typing import Any
 
 # A suite started as a background job of a non-interactive shell (`nohup .ci/run &`) inherits SIGINT ignored,
 # and so would every launcher it starts (an ignored signal survives exec): a SIGINT sent before the launcher
@@ -17,3 +18,9 @@ import signal
 # handler here means children start with SIGINT at its default (handlers are reset on exec).
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:
+    """The fresh-engine test first: it builds the worker image from nothing on its own engine and hands it to
+    this engine (tests/docker/test_fresh_engine.py), so the session's image fixture finds it up to date."""
+    items.sort(key=lambda item: 0 if item.get_closest_marker("fresh") else 1)

@@ -99,11 +99,13 @@ class FakeAPI:
         self.images = set(images)
         self.builds: list[dict[str, Any]] = []
         self.pushed: list[tuple[str, str]] = []
+        self.labels: dict[str, dict[str, str]] = {}
 
     def build(self, **kwargs: Any) -> Iterable[dict[str, Any]]:
         self.builds.append({k: v for k, v in kwargs.items() if k != "fileobj"})
         if not any("error" in e for e in self.events):
             self.images.add(kwargs["tag"])
+            self.labels[kwargs["tag"]] = dict(kwargs.get("labels") or {})
         return iter(self.events)
 
     def inspect_image(self, name: str) -> dict[str, Any]:
@@ -111,7 +113,7 @@ class FakeAPI:
 
         if name not in self.images:
             raise ImageNotFound(f"no such image: {name}")
-        return {"Id": "sha256:" + "ab" * 32, "Size": 1_500_000_000}
+        return {"Id": "sha256:" + "ab" * 32, "Size": 1_500_000_000, "Config": {"Labels": self.labels.get(name, {})}}
 
     def tag(self, image: str, repository: str, tag: str) -> bool:
         self.images.add(f"{repository}:{tag}")
@@ -473,3 +475,30 @@ def test_image_labels_and_entrypoint(launcher_image: str, docker_client: Any) ->
     env = dict(e.split("=", 1) for e in config["Env"])
     assert env["TF_CPP_MIN_LOG_LEVEL"] == "2" and env["TF_ENABLE_ONEDNN_OPTS"] == "0"
     assert env["PYTHONUNBUFFERED"] == "1" and env["HOME"] == "/tmp"
+
+
+def test_a_build_of_the_same_source_is_skipped_and_a_change_rebuilds(monkeypatch: pytest.MonkeyPatch,
+                                                                   context: Path) -> None:
+    """The image carries the digest of what it was built from (launcher.source); building the same source again
+    is a no-op (no engine build), a changed file or --no-cache builds again. The wheels are not in the digest
+    (docker/requirements.py is), so a copy of the tree whose wheel directory differs builds the same image."""
+    from launcher.image_engine_build import SOURCE_LABEL, source_digest
+
+    monkeypatch.setattr("launcher.image_build.prepare_offline", lambda options, report, client: None)
+    api = FakeAPI(events=[{"stream": "Step 1/1 : FROM scratch\n"}])
+    options = BuildOptions(tag="launcher:t", offline=True, context=context)
+    build_image(options, client=FakeClient(api))
+    assert len(api.builds) == 1 and api.builds[0]["labels"] == {SOURCE_LABEL: source_digest(options)}
+    lines: list[str] = []
+    result = build_image(options, lines.append, client=FakeClient(api))
+    assert len(api.builds) == 1 and result.seconds == 0.0, "the same source: nothing built"
+    assert any("is up to date" in line for line in lines), lines
+    (context / "docker" / "wheels" / "cpu").mkdir(parents=True)
+    (context / "docker" / "wheels" / "cpu" / "x-1-py3-none-any.whl").write_bytes(b"other wheels")
+    build_image(options, client=FakeClient(api))
+    assert len(api.builds) == 1, "the wheel directory is not the source"
+    (context / "pyproject.toml").write_text("[project]\nname = 'y'\n")
+    build_image(options, client=FakeClient(api))
+    assert len(api.builds) == 2, "a changed file builds again"
+    build_image(BuildOptions(tag="launcher:t", offline=True, context=context, no_cache=True), client=FakeClient(api))
+    assert len(api.builds) == 3, "--no-cache always builds"
