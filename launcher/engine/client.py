@@ -28,9 +28,11 @@ log = logging.getLogger(__name__)
 
 PING_TIMEOUT_S = 3
 API_TIMEOUT_S = 60
-# A helper container (the env check, the model export) runs the user's code: the engine keeps at most 1 MiB
-# of its output (json-file, one file: older output is dropped), and the launcher reads its last lines.
-HELPER_LOG_CONFIG = {"type": "json-file", "config": {"max-size": "1m", "max-file": "1"}}
+# A helper container (the env check, the model export) runs the user's code: the engine keeps at most 2 MiB
+# of its output (json-file, two files of 1 MiB: older output is dropped), and the launcher reads its last lines.
+# Two files, not one: with one, the engine empties it when it fills, and the lines written just before (the
+# probe's answer, when a few bytes on the other stream follow it) were lost now and then.
+HELPER_LOG_CONFIG = {"type": "json-file", "config": {"max-size": "1m", "max-file": "2"}}
 HELPER_LOG_TAIL_LINES = 2000
 
 
