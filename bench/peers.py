@@ -145,8 +145,10 @@ class Peer:
         subprocess.run([str(self.python), "-m", "pip", "install", "-q", *self.packages], check=True)
 
     def job(self, task: Task, seed: int) -> dict[str, Any]:
+        """What the driver runs: SB3 has the zoo's settings and budget; RLlib its own settings and ours."""
         hp = ZOO_PPO[task.env_id]
-        return {"env_id": task.env_id, "target": task.target, "seed": seed, "hp": hp, "budget": hp["n_timesteps"]}
+        budget = hp["n_timesteps"] if self.name == "sb3" else task.our_max_steps
+        return {"env_id": task.env_id, "target": task.target, "seed": seed, "hp": hp, "budget": budget}
 
 
 PEERS = {
