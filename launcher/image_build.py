@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from launcher.engine.client import connect_client
-from launcher.engine.images import image_exists, inspect_image, push_events
+from launcher.engine.images import image_exists, inspect_image, labelled_image, push_events, tag_image
 from launcher.errors import BadInput, LauncherError, MissingDependency
 from launcher.image import (OFFLINE_BASE_IMAGE, REGISTRY_RE, BuildOptions, BuildResult, Flavour, choose_build_path,
                             find_context, parse_extras)
@@ -58,6 +58,12 @@ def build_image(options: BuildOptions, progress: Progress = lambda line: None, c
             progress(f"{options.tag} is up to date: built from this source ({SOURCE_LABEL}={digest}); nothing to "
                      "build (--no-cache rebuilds it)")
             return BuildResult(options.tag, current["Id"], int(current.get("Size", 0)), 0.0)
+        twin = labelled_image(SOURCE_LABEL, digest, client)  # the same source under another tag
+        if twin is not None:
+            tag_image(twin["Id"], options.tag, client)
+            progress(f"{options.tag} is up to date: tagged {twin['Id'][7:19]}, built from this source "
+                     f"({SOURCE_LABEL}={digest}); nothing to build (--no-cache rebuilds it)")
+            return BuildResult(options.tag, twin["Id"], int(twin.get("Size", 0)), 0.0)
     report = BuildReporter(options.tag, progress, on_build)
     with stoppable(report, client) as layers:
         if options.offline:

@@ -150,6 +150,8 @@ class Starting:
         self.tb = TensorBoardWriter(self.files.tensorboard)
         self._learner_ready = True
         self._phase = "running"
+        log.info("learner ready (%s)", "the groups have played since the start" if self.early is not None
+                 else "the groups are served from now on")
 
     def _decide_acting(self, conversion: Any, shapes: dict[str, tuple[int, ...]], trainable: tuple[str, ...]) -> None:
         self.program, self.acting, setup = decide_acting(conversion, self.spec.acting, shapes, trainable,

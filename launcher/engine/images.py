@@ -113,6 +113,19 @@ def build_events(client: "DockerClient", context: IO[bytes], *, tag: str, builda
         yield event
 
 
+def labelled_image(label: str, value: str, client: "DockerClient") -> dict[str, Any] | None:
+    """One image carrying ``label=value`` (like ``docker images --filter label=L=V``): its ``Id`` and ``Size``;
+    None when there is none."""
+    found = engine_call(f"list images labelled {label}", lambda: client.api.images(filters={"label": f"{label}={value}"}))
+    return dict(found[0]) if found else None
+
+
+def tag_image(image_id: str, ref: str, client: "DockerClient") -> None:
+    """``docker tag IMAGE REF``."""
+    repository, _, version = ref.rpartition(":") if ":" in ref.split("/")[-1] else (ref, "", "latest")
+    engine_call(f"tag {image_id[:19]} as {ref}", lambda: client.api.tag(image_id, repository, version))
+
+
 def push_events(client: "DockerClient", source: str, target: str, version: str) -> Iterator[dict[str, Any]]:
     """Tag ``source`` as ``target:version`` and push it (like ``docker tag`` + ``docker push``), yielding the
     engine's events."""

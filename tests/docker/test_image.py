@@ -96,7 +96,7 @@ class FakeAPI:
 
     def __init__(self, events: Iterable[dict[str, Any]] = (), images: Iterable[str] = ()) -> None:
         self.events = list(events)
-        self.images = set(images)
+        self.present = set(images)
         self.builds: list[dict[str, Any]] = []
         self.pushed: list[tuple[str, str]] = []
         self.labels: dict[str, dict[str, str]] = {}
@@ -104,20 +104,25 @@ class FakeAPI:
     def build(self, **kwargs: Any) -> Iterable[dict[str, Any]]:
         self.builds.append({k: v for k, v in kwargs.items() if k != "fileobj"})
         if not any("error" in e for e in self.events):
-            self.images.add(kwargs["tag"])
+            self.present.add(kwargs["tag"])
             self.labels[kwargs["tag"]] = dict(kwargs.get("labels") or {})
         return iter(self.events)
 
     def inspect_image(self, name: str) -> dict[str, Any]:
         from docker.errors import ImageNotFound
 
-        if name not in self.images:
+        if name not in self.present:
             raise ImageNotFound(f"no such image: {name}")
         return {"Id": "sha256:" + "ab" * 32, "Size": 1_500_000_000, "Config": {"Labels": self.labels.get(name, {})}}
 
     def tag(self, image: str, repository: str, tag: str) -> bool:
-        self.images.add(f"{repository}:{tag}")
+        self.present.add(f"{repository}:{tag}")
+        self.labels[f"{repository}:{tag}"] = next((v for k, v in self.labels.items() if k == image), {})
         return True
+
+    def images(self, filters: dict[str, str]) -> list[dict[str, Any]]:
+        key, _, value = filters["label"].partition("=")
+        return [{"Id": name, "Size": 1} for name, labels in self.labels.items() if labels.get(key) == value]
 
     def push(self, repository: str, tag: str, stream: bool, decode: bool) -> Iterable[dict[str, Any]]:
         self.pushed.append((repository, tag))
@@ -502,3 +507,7 @@ def test_a_build_of_the_same_source_is_skipped_and_a_change_rebuilds(monkeypatch
     assert len(api.builds) == 2, "a changed file builds again"
     build_image(BuildOptions(tag="launcher:t", offline=True, context=context, no_cache=True), client=FakeClient(api))
     assert len(api.builds) == 3, "--no-cache always builds"
+    lines.clear()
+    build_image(BuildOptions(tag="launcher:other", offline=True, context=context), lines.append, client=FakeClient(api))
+    assert len(api.builds) == 3 and "launcher:other" in api.present, "another tag of the same source: tagged"
+    assert any("tagged" in line for line in lines), lines

@@ -452,7 +452,10 @@ def test_detached_run_with_results_in_a_volume_then_down(launcher_image: str, sw
     def master_log() -> str:
         return run_launcher("logs", run.name, "--master", *common, timeout=30).stdout
 
-    wait_for(lambda: "group 1 joined" in master_log(), 120, "the groups to join", interval=2)
+    # Joined, and the learner is built: a master stopped while it still imports TensorFlow (the groups play from
+    # before that) may not finish its summary within the swarm's stop grace.
+    wait_for(lambda: "group 1 joined" in (text := master_log()) and "learner ready" in text, 120,
+             "the groups to join and the learner to be ready", interval=2)
     st = json.loads(run_launcher("status", run.name, "--json", *common, timeout=30).stdout)
     assert st["state"] == "running" and st["live"] and all(p["state"] == "running" for p in st["parts"])
     assert not (run / "summary.json").exists(), "results are in the volume while the run lives"
