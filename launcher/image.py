@@ -333,8 +333,14 @@ def extras_hash(base_image_id: str, extras: tuple[Extra, ...]) -> str:
     return hashlib.sha256(doc.encode()).hexdigest()[:12]
 
 
+def split_ref(ref: str) -> tuple[str, str]:
+    """``[registry[:port]/]path[:tag]`` -> (everything before the tag, the tag; ``latest`` when there is none)."""
+    name, _, tag = ref.rpartition(":") if ":" in ref.split("/")[-1] else (ref, "", "latest")
+    return name, tag
+
+
 def extras_tag(base: str, digest: str) -> str:
     """The derived image's reference: the base's with ``-with-<hash>`` added to its tag
     (``launcher:0.1.0-cpu`` -> ``launcher:0.1.0-cpu-with-3fa2c1d9e0b4``), so it is never taken for the base."""
-    name, _, tag = base.rpartition(":") if ":" in base.split("/")[-1] else (base, "", "latest")
+    name, tag = split_ref(base)
     return f"{name}:{tag[:100]}-with-{digest}"

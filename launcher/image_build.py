@@ -21,10 +21,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from launcher.engine.client import connect_client
-from launcher.engine.images import image_exists, inspect_image, labelled_image, push_events, tag_image
+from launcher.engine.images import find_image, image_exists, inspect_image, labelled_image, push_events, tag_image
 from launcher.errors import BadInput, LauncherError, MissingDependency
 from launcher.image import (OFFLINE_BASE_IMAGE, REGISTRY_RE, BuildOptions, BuildResult, Flavour, choose_build_path,
-                            find_context, parse_extras)
+                            find_context, parse_extras, split_ref)
 from launcher.image_cancel import BuildInterrupted, run_script, stoppable
 from launcher.image_engine_build import SOURCE_LABEL, ImageBuildFailed, build_context, docker_build, source_digest
 from launcher.image_extras import build_extras_image
@@ -53,17 +53,9 @@ def build_image(options: BuildOptions, progress: Progress = lambda line: None, c
     client = client or connect_client()
     digest = source_digest(options)
     if not options.no_cache:
-        current = inspect_image(options.tag, client) if image_exists(options.tag, client) else None
-        if current is not None and ((current.get("Config") or {}).get("Labels") or {}).get(SOURCE_LABEL) == digest:
-            progress(f"{options.tag} is up to date: built from this source ({SOURCE_LABEL}={digest}); nothing to "
-                     "build (--no-cache rebuilds it)")
-            return BuildResult(options.tag, current["Id"], int(current.get("Size", 0)), 0.0)
-        twin = labelled_image(SOURCE_LABEL, digest, client)  # the same source under another tag
-        if twin is not None:
-            tag_image(twin["Id"], options.tag, client)
-            progress(f"{options.tag} is up to date: tagged {twin['Id'][7:19]}, built from this source "
-                     f"({SOURCE_LABEL}={digest}); nothing to build (--no-cache rebuilds it)")
-            return BuildResult(options.tag, twin["Id"], int(twin.get("Size", 0)), 0.0)
+        built = _built_from(digest, options.tag, client, progress)
+        if built is not None:
+            return built
     report = BuildReporter(options.tag, progress, on_build)
     with stoppable(report, client) as layers:
         if options.offline:
@@ -79,6 +71,22 @@ def build_image(options: BuildOptions, progress: Progress = lambda line: None, c
     progress(f"built {result.tag} ({result.image_id[7:19]}, {result.size_bytes / 1e9:.2f} GB) "
              f"in {result.seconds:.0f} s")
     return result
+
+
+def _built_from(digest: str, tag: str, client: "DockerClient", progress: Progress) -> BuildResult | None:
+    """``tag`` as an image already built from the source ``digest`` names: the tag itself when it carries the
+    digest, else another image that does, tagged ``tag`` (a copy of it loaded without its layer cache, say);
+    None when there is none and the build has to run."""
+    current = find_image(tag, client)
+    how = "built from this source"
+    if current is None or ((current.get("Config") or {}).get("Labels") or {}).get(SOURCE_LABEL) != digest:
+        current = labelled_image(SOURCE_LABEL, digest, client)
+        if current is None:
+            return None
+        tag_image(current["Id"], *split_ref(tag), client)
+        how = f"tagged {current['Id'][7:19]}, {how}"
+    progress(f"{tag} is up to date: {how} ({SOURCE_LABEL}={digest}); nothing to build (--no-cache rebuilds it)")
+    return BuildResult(tag, current["Id"], int(current.get("Size", 0)), 0.0)
 
 
 def ensure_image(name: str, *, mode: str = "auto", progress: Progress = lambda line: None,
@@ -117,7 +125,7 @@ def push_image(tag: str, registry: str, progress: Progress = lambda line: None,
         raise BadInput(f"--push {registry!r} is not a registry address",
                        hint="give HOST[:PORT][/PATH], e.g. registry.example.com:5000/rl")
     client = client or connect_client()
-    repository, _, version = tag.rpartition(":") if ":" in tag.split("/")[-1] else (tag, "", "latest")
+    repository, version = split_ref(tag)
     target = f"{registry}/{repository.split('/')[-1]}"
     hint = f"check `docker login {registry.split('/')[0]}` and that the registry is reachable from this host"
     try:

@@ -33,8 +33,13 @@ def image_exists(name: str, client: "DockerClient | None" = None) -> bool:
     Raises:
         MissingDependency: no Docker engine answers.
     """
-    client = client or connect_client()
-    return bool(engine_call(f"inspect image {name}", lambda: client.api.inspect_image(name) and True, gone=False))
+    return find_image(name, client or connect_client()) is not None
+
+
+def find_image(name: str, client: "DockerClient") -> dict[str, Any] | None:
+    """``docker image inspect NAME`` as a dict; None when the engine has no such image."""
+    found = engine_call(f"inspect image {name}", lambda: client.api.inspect_image(name), gone=None)
+    return None if found is None else dict(found)
 
 
 def inspect_image(name: str, client: "DockerClient") -> dict[str, Any]:
@@ -120,10 +125,9 @@ def labelled_image(label: str, value: str, client: "DockerClient") -> dict[str, 
     return dict(found[0]) if found else None
 
 
-def tag_image(image_id: str, ref: str, client: "DockerClient") -> None:
-    """``docker tag IMAGE REF``."""
-    repository, _, version = ref.rpartition(":") if ":" in ref.split("/")[-1] else (ref, "", "latest")
-    engine_call(f"tag {image_id[:19]} as {ref}", lambda: client.api.tag(image_id, repository, version))
+def tag_image(image_id: str, repository: str, version: str, client: "DockerClient") -> None:
+    """``docker tag IMAGE REPOSITORY:VERSION``."""
+    engine_call(f"tag {image_id[:19]} as {repository}:{version}", lambda: client.api.tag(image_id, repository, version))
 
 
 def push_events(client: "DockerClient", source: str, target: str, version: str) -> Iterator[dict[str, Any]]:
