@@ -6,7 +6,7 @@ group that already has this version. The same arrays (weights by name, extras un
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from worker.contract import EXTRA_PREFIX
 from worker.protocol import MsgType, all_finite, encode_parts
@@ -16,7 +16,12 @@ def policy_arrays(model: Any, learner: Any) -> dict[str, Any]:
     """The model's weights by name and ``learner.extras()`` under :data:`EXTRA_PREFIX`."""
     from worker.keras_convert import get_weights
 
-    return {**get_weights(model), **{EXTRA_PREFIX + k: v for k, v in learner.extras().items()}}
+    return with_extras(get_weights(model), learner.extras())
+
+
+def with_extras(weights: Mapping[str, Any], extras: Mapping[str, Any]) -> dict[str, Any]:
+    """Weights by name and the learner's extras under :data:`EXTRA_PREFIX`: what a WEIGHTS frame carries."""
+    return {**weights, **{EXTRA_PREFIX + k: v for k, v in extras.items()}}
 
 
 def first_non_finite(arrays: dict[str, Any]) -> str | None:

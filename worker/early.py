@@ -74,15 +74,9 @@ def initial_extras(algo: Any) -> dict[str, np.ndarray]:
 
     obs, ret = algo.normalize
     extras = dict(RunningNorm(algo.spaces.obs_shape if obs else None, ret).stats().arrays())
-    if _continuous(algo):
+    if not algo.spaces.discrete:  # a Box policy, as ActorCriticPolicy decides
         extras[LOG_STD] = np.full(algo.spaces.n_actions, float(algo.hp.get("log_std_init", -0.5)), np.float32)
     return extras
-
-
-def _continuous(algo: Any) -> bool:
-    import gymnasium.spaces as spaces
-
-    return isinstance(algo.spaces.action, spaces.Box)
 
 
 # ------------------------------------------------------------------------------------------ the network

@@ -28,7 +28,7 @@ from typing import Any
 
 from worker.algorithms import UserCodeError
 from worker.api import Payload, Reject
-from worker.broadcast import EXTRA_PREFIX, VersionFrames, first_non_finite, policy_arrays
+from worker.broadcast import VersionFrames, first_non_finite, policy_arrays, with_extras
 from worker.contract import EXIT_FAILED, EXIT_OK, RunFiles, RunSpec, plain_env_id
 from worker.early import EarlyStart
 from worker.ending import Outcome, error_doc
@@ -97,7 +97,7 @@ class Master(Starting):
             self._start_early(recovering=prev is not None)  # serves the groups now when it can (worker/early.py)
             self._build_learner()
             note_recovery(prev, self.tally, self._restored_from, self.metrics, self.tb)
-            if getattr(self, "server", None) is None:
+            if self.early is None:  # an early start is serving already
                 self._serve()
             self.state = MasterState.RUNNING
             self._check_done()  # a resumed run may already be done
@@ -299,7 +299,7 @@ class Master(Starting):
 
     def _policy_arrays(self) -> dict[str, Any]:
         if not self._learner_ready and self.early is not None:  # version 0 while TensorFlow loads
-            return {**self.early.weights, **{EXTRA_PREFIX + k: v for k, v in self.early.extras.items()}}
+            return with_extras(self.early.weights, self.early.extras)
         return policy_arrays(self.model, self.learner)
 
     def _report(self) -> None:

@@ -85,10 +85,10 @@ class ProcessBackend(Backend):
         self._sock: socket.socket | None = None
         self._sock_dir: Path | None = None  # the Unix socket's private directory, removed at stop
 
-    def specs(self, run: PreparedRun, *, port: int | None = None, master_addr: str | None = None) -> LaunchSpecs:
+    def specs(self, run: PreparedRun, *, master_addr: str | None = None) -> LaunchSpecs:
         """Each part's argv and the environment set over this launcher's (:func:`process_specs`); ``start``
         gives it the address it bound."""
-        return process_specs(run, python=self.python, environ=os.environ, port=port, master_addr=master_addr)
+        return process_specs(run, python=self.python, environ=os.environ, master_addr=master_addr)
 
     def check_env(self, cfg: RunConfig, plan: Plan, run_id: str) -> dict[str, Any]:
         """The groups run this interpreter: ask it (:func:`check_on_host`)."""

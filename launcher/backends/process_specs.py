@@ -11,7 +11,7 @@ from launcher.backends.base import PreparedRun
 from launcher.backends.containers import Kind, worker_env
 from launcher.backends.specs import HOST_ENV, LaunchSpecs, PartSpec
 from launcher.usercode import user_code
-from worker.contract import LISTEN_FD_ENV, SECRET_FILE_ENV
+from worker.contract import LISTEN_FD_ENV, SECRET_FILE_ENV, format_addr
 
 
 UNIX_PLACEHOLDER = "unix:<a private directory made at the start>/master.sock"
@@ -24,14 +24,13 @@ def uses_unix_socket(run: PreparedRun) -> bool:
     return run.spec.master_port == 0
 
 
-def process_specs(run: PreparedRun, *, python: str, environ: Mapping[str, str], port: int | None = None,
+def process_specs(run: PreparedRun, *, python: str, environ: Mapping[str, str],
                   master_addr: str | None = None) -> LaunchSpecs:
     """The master's and each group's argv and environment (over :func:`~launcher.backends.envcheck.inherited_env`).
     Pure, given ``environ`` (the launcher's environment) and the working directory.
 
     Args:
         python: the interpreter the children run.
-        port: the master's TCP port the groups dial (``start`` knows it once it has bound; None: the spec's).
         master_addr: the address the groups dial, as ``start`` bound it (``unix:PATH`` by default); None: what
             the spec says (a placeholder for the Unix socket, whose directory ``start`` makes).
     """
@@ -39,10 +38,9 @@ def process_specs(run: PreparedRun, *, python: str, environ: Mapping[str, str], 
     # From inside the results root, -P and our own directory on PYTHONPATH (envcheck.host_python).
     worker = (*envcheck.host_python(python, run.run_dir.path.parent, extra), "-m", "worker")
     spec_path = str(run.run_dir.files.spec)
-    master_port = run.spec.master_port if port is None else port
     if master_addr is None:
-        master_addr = UNIX_PLACEHOLDER if port is None and uses_unix_socket(run) else \
-            f"{run.spec.connect_host}:{master_port}"
+        master_addr = UNIX_PLACEHOLDER if uses_unix_socket(run) else \
+            format_addr((run.spec.connect_host, run.spec.master_port))
     master = PartSpec("master", (*worker, "master", "--spec", spec_path),
                       {**extra, **worker_env(Kind.PROCESS, run.plan.master, master_addr=None)}, inherits=HOST_ENV,
                       at_start=(LISTEN_FD_ENV, SECRET_FILE_ENV), gpu_uuids=tuple(run.plan.master.gpu_uuids),

@@ -54,8 +54,8 @@ def test_process_specs_give_each_part_its_gpu_and_threads(tmp_path: Path) -> Non
         assert part.gpu_env["CUDA_VISIBLE_DEVICES"] == part.gpu_env["NVIDIA_VISIBLE_DEVICES"] == g.share.gpu_uuids[0]
         assert part.thread_env == {"LAUNCHER_TF_THREADS": "1", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
         assert part.env["LAUNCHER_MASTER_ADDR"] == "127.0.0.1:5123"
-    # start gives the port it bound
-    bound = ProcessBackend(python="/usr/bin/python3").specs(run, port=40000)
+    # start gives the address it bound
+    bound = ProcessBackend(python="/usr/bin/python3").specs(run, master_addr="127.0.0.1:40000")
     assert bound.part("group-0").env["LAUNCHER_MASTER_ADDR"] == "127.0.0.1:40000"
     assert "SECRET" not in repr(specs.to_dict()).upper().replace("LAUNCHER_SECRET_FILE", "")
 
