@@ -118,6 +118,8 @@ class ProcessBackend(Backend):
         self.master = _Child("master", list(master.command), env_of(master, **{LISTEN_FD_ENV: str(sock.fileno())}),
                              logs / MASTER_LOG, pass_fds=(sock.fileno(), *leases), secret=run.secret)
         self._reaper = _Reaper(self.python, self.orphan_grace_s, self.master.open_log())
+        if self._sock_dir is not None:  # stop() removes it; if this launcher dies first, the reaper does
+            self._reaper.on_death(["rm", "-rf", "--", str(self._sock_dir)])
         self._start_child(self.master)
         for g in run.plan.groups:
             part = specs.part(f"group-{g.index}")

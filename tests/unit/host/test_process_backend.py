@@ -93,6 +93,7 @@ def test_sigterm_tears_everything_down_within_10s(tmp_path: Path) -> None:
     wait_for(lambda: status_of(run).get("env_steps", 0) > 0, 60, "training to start")
     pids = read_json(run / "run.json")["pids"]
     assert set(pids) == {"master", "group-0", "group-1"}
+    sock_dir = Path(wait_for(lambda: _socket_dir(run), 90, "the master's address"))
     t0 = time.monotonic()
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=20)
@@ -102,6 +103,7 @@ def test_sigterm_tears_everything_down_within_10s(tmp_path: Path) -> None:
         assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2], \
             f"{name} (pid {pid}) survived"
     assert not processes_mentioning(str(run)), "a child of the run is still alive"
+    assert not sock_dir.exists(), "the master's socket directory outlived the run"
     summary = read_json(run / "summary.json")  # the master still wrote its summary and checkpoint
     assert summary["outcome"] == "interrupted"
     assert read_json(run / "run.json")["state"] == "interrupted"
@@ -111,11 +113,24 @@ def test_kill_9_of_the_launcher_leaves_no_orphans(tmp_path: Path) -> None:
     proc = _start(tmp_path, "--workers", "2", "--groups", "2", "--max-steps", "10000000")
     run = wait_for(lambda: next((p for p in run_dirs(tmp_path) if (p / "run.json").exists()
                                  and "pids" in read_json(p / "run.json")), None), 90, "the run to start")
+    sock_dir = Path(wait_for(lambda: _socket_dir(run), 90, "the master's address"))
     proc.kill()
     proc.wait()
     # SIGTERM through PR_SET_PDEATHSIG at once; what ignores it (or is still importing TensorFlow) the reaper
     # SIGKILLs 10 s after the launcher's death. 30 s leaves room for a loaded machine (one CI run: > 15 s).
     wait_for(lambda: not processes_mentioning(str(run)), 30, "the children to die with their parent")
+    # The master's private socket directory goes too: the launcher could not remove it, its reaper does.
+    wait_for(lambda: not sock_dir.exists(), 30, f"{sock_dir} to be removed")
+
+
+def _socket_dir(run: Path) -> str | None:
+    """The directory of the master's Unix socket, from its master.addr (None until it listens)."""
+    try:
+        addr = (run / "master.addr").read_text().strip()
+    except OSError:
+        return None
+    assert addr.startswith("unix:/"), addr
+    return str(Path(addr[5:]).parent)
 
 
 def test_stop_and_resume_continues_the_counters(tmp_path: Path) -> None:
