@@ -1,13 +1,13 @@
 """Synchronous A2C for a 10x10 Snake with the recipe's CNN, written on worker.api (examples/README.md).
 
-Every env plays its share of a round (``batch_steps`` over all workers); a step's value target is the recipe's:
-1 when the snake eats a fruit before its episode ends, 0 when it dies or starves first. Steps whose target is
-not known yet (no fruit and no end since) carry over to the next payload. The master takes one policy step
-(cross-entropy on the logits times the advantage) and one value step (squared error), each with its own Adam
-and every gradient tensor's norm clipped at 20, on the whole round; then all groups get the new weights.
+Every env plays its share of a round (``batch_steps`` over all workers). A step's value target is the recipe's:
+1 when the snake eats a fruit before its episode ends, else 0 (steps not resolved yet carry over); or, with
+``target=gae`` (the departure that reaches the target, README), GAE from the value head. The master takes one
+policy step and one value step, each with its own Adam and every gradient clipped at norm 20; then all groups
+get the new weights. The recipe's settings are the defaults; the run to the target:
 
     launcher up --backend process --algo examples/snake_a2c.py:SnakeA2C --env launcher/Snake-v0 --workers 32 \\
-        --max-steps 3000000 --until-return 10
+        --max-steps 3000000 --until-return 10 --set target=gae --set batch_steps=2048 --set lr=5e-4 --set ent_coef=0.01
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from worker.api import Actor, Algorithm, Field, HParam, Learner, Payload, Rollout, Schedule, sample_categorical
+from worker.api import Actor, Algorithm, Field, HParam, Learner, Payload, Rollout, Schedule, gae, sample_categorical
 
 
 class SnakePlayer(Actor):
@@ -27,12 +27,21 @@ class SnakePlayer(Actor):
         # Per env, the steps since its last fruit: (obs, action), waiting for their target.
         self.pending: list[list[tuple[np.ndarray, int]]] = [[] for _ in range(ctx.num_envs)]
 
-    def act(self, obs: np.ndarray) -> np.ndarray:
-        return sample_categorical(self.ctx.policy(obs)[0], self.ctx.rng)  # softmax of the logits
+    def act(self, obs: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        logits, value = self.ctx.policy(obs)
+        return sample_categorical(logits, self.ctx.rng), {"value": value.reshape(-1)}  # softmax of the logits
 
     def collect(self) -> Mapping[str, np.ndarray]:
-        steps = math.ceil(int(self.ctx.hparams["batch_steps"]) / self.ctx.algorithm.num_workers)
-        seg = self.rollout.run(steps, self.act)
+        hp = self.ctx.hparams
+        seg = self.rollout.run(math.ceil(int(hp["batch_steps"]) / self.ctx.algorithm.num_workers), self.act)
+        if hp["target"] == "gae":  # the departure (examples/README.md): n-step targets from the value head
+            gamma, value = float(hp["gamma"]), lambda o: self.ctx.policy(o)[1].reshape(-1)
+            rewards = seg.rewards.copy()
+            for (t, i), cut in seg.truncated_obs.items():  # starved: the game goes on in value
+                rewards[t, i] += gamma * value(cut[None])[0]
+            adv, ret = gae(rewards, seg.extras["value"], seg.dones, value(seg.next_obs), gamma, float(hp["lam"]))
+            return {"obs": seg.rows(seg.obs).astype(np.uint8), "actions": seg.rows(seg.actions).astype(np.int64),
+                    "labels": seg.rows(ret), "advantages": seg.rows(adv)}
         obs, actions, labels = [], [], []
         for t in range(seg.valid.shape[0]):
             for i in np.flatnonzero(seg.valid[t]):
@@ -43,9 +52,10 @@ class SnakePlayer(Actor):
                     actions += [a for _, a in self.pending[i]]
                     labels += [1.0 if ate else 0.0] * len(self.pending[i])
                     self.pending[i] = []
-        shape = self.ctx.envs.single_observation_space.shape
+        shape, n = self.ctx.envs.single_observation_space.shape, len(labels)
         return {"obs": np.asarray(obs, np.uint8).reshape(-1, *shape),  # one-hot boards: 0/1 travel as bytes
-                "actions": np.asarray(actions, np.int64), "labels": np.asarray(labels, np.float32)}
+                "actions": np.asarray(actions, np.int64), "labels": np.asarray(labels, np.float32),
+                "advantages": np.zeros(n, np.float32)}  # the learner's: label - value
 
 
 class SnakeLearner(Learner):
@@ -57,9 +67,8 @@ class SnakeLearner(Learner):
         hp, model, ops = ctx.hparams, ctx.model, keras.ops
         variables = [ctx.variables[n] for n in ctx.trainable]
         self.pi_opt, self.v_opt = keras.optimizers.Adam(float(hp["lr"])), keras.optimizers.Adam(float(hp["lr"]))
-        self.pi_opt.build(variables)
-        self.v_opt.build(variables)
-        clip, ent_coef = float(hp["clip_norm"]), float(hp["ent_coef"])
+        self.pi_opt.build(variables), self.v_opt.build(variables)
+        clip, ent_coef, bootstrapped = float(hp["clip_norm"]), float(hp["ent_coef"]), hp["target"] == "gae"
 
         def step(optimizer: Any, loss_fn: Any) -> Any:
             with tf.GradientTape() as tape:
@@ -70,10 +79,11 @@ class SnakeLearner(Learner):
             return loss
 
         @tf.function(reduce_retracing=True)
-        def train(obs: Any, actions: Any, labels: Any) -> Any:
+        def train(obs: Any, actions: Any, labels: Any, advantages: Any) -> Any:
             obs = ops.cast(obs, "float32")
             # BatchNormalization in inference mode, as the recipe's layers ran (their `training` was left False).
-            advantages = labels - ops.reshape(model(obs, training=False)[1], (-1,))
+            advantages = ((advantages - ops.mean(advantages)) / (ops.std(advantages) + 1e-8) if bootstrapped
+                          else labels - ops.reshape(model(obs, training=False)[1], (-1,)))  # GAE normalised; or 1/0 - V
 
             def policy_loss() -> Any:
                 logits = model(obs, training=False)[0]
@@ -82,7 +92,7 @@ class SnakeLearner(Learner):
                 entropy = -ops.sum(ops.exp(logp) * logp, axis=1)
                 return ops.mean(ce * advantages) - ent_coef * ops.mean(entropy)
 
-            def value_loss() -> Any:
+            def value_loss() -> Any:  # squared error
                 return ops.mean(ops.square(labels - ops.reshape(model(obs, training=False)[1], (-1,))))
 
             return ops.stack([step(self.pi_opt, policy_loss), step(self.v_opt, value_loss)])
@@ -90,10 +100,10 @@ class SnakeLearner(Learner):
         self.train = train
 
     def update(self, payloads: Sequence[Payload]) -> Mapping[str, float]:
-        obs, actions, labels = (np.concatenate([p[k] for p in payloads]) for k in ("obs", "actions", "labels"))
-        chunk, losses = int(self.ctx.hparams["batch_steps"]), []
+        cols = [np.concatenate([p[k] for p in payloads]) for k in ("obs", "actions", "labels", "advantages")]
+        chunk, losses, labels = int(self.ctx.hparams["batch_steps"]), [], cols[2]
         for s in range(0, len(labels), chunk):  # the recipe's training loop over chunks of the round
-            losses.append(self.train(obs[s:s + chunk], actions[s:s + chunk], labels[s:s + chunk]).numpy())
+            losses.append(self.train(*(c[s:s + chunk] for c in cols)).numpy())
         pi_loss, v_loss = np.mean(losses, axis=0) if losses else (0.0, 0.0)
         return {"pi_loss": float(pi_loss), "v_loss": float(v_loss), "fruit_rate": float(labels.mean()),
                 "rows": float(len(labels))}
@@ -110,6 +120,9 @@ class SnakeA2C(Algorithm):
         "lr": HParam(3e-4, "learning rate of both Adam optimisers (policy step, value step)"),
         "clip_norm": HParam(20.0, "each gradient tensor is clipped to this norm"),
         "ent_coef": HParam(0.0, "entropy bonus (the recipe's is off)"),
+        "target": HParam("fruit", "fruit: the recipe's (1 if a fruit comes before the end, else 0); gae: bootstrapped"),
+        "gamma": HParam(0.97, "discount of the bootstrapped target (target=gae)"),
+        "lam": HParam(0.95, "GAE lambda (target=gae)"),
         "max_wait_s": HParam(30.0, "a round updates without a group that has not sent for this long"),
     }
     actor = SnakePlayer
@@ -133,8 +146,14 @@ class SnakeA2C(Algorithm):
         return Schedule.sync(max_wait_s=float(self.hp["max_wait_s"]))
 
     def payload(self, weights: Mapping[str, tuple[int, ...]], trainable: Sequence[str]) -> Mapping[str, Field]:
+        fruit = self.hp["target"] == "fruit"  # the recipe's labels are 0 or 1; bootstrapped ones any finite value
         return {"obs": Field("uint8", self.spaces.obs_shape, low=0, high=1), "actions": Field.actions(self.spaces),
-                "labels": Field("float32", low=0, high=1)}
+                "labels": Field("float32", low=0 if fruit else None, high=1 if fruit else None),
+                "advantages": Field("float32")}
+
+    @classmethod
+    def check_hparams(cls, hp: Mapping[str, Any]) -> list[str]:
+        return [] if hp["target"] in ("fruit", "gae") else [f"target must be fruit or gae, got {hp['target']!r}"]
 
     def max_rows(self, num_envs: int) -> int:
         # This round's steps plus those carried over: at most 100 per env (the env ends 100 steps without fruit).

@@ -66,6 +66,7 @@ def in_process(ref: str, env_id: str, k: int, overrides: dict[str, Any]) -> tupl
     (A3C, "CartPole-v1", 2, {}, 3),
     (DPPO, "Pendulum-v1", 2, {"max_qsize": 4, "jit_compile": False}, 2),
     (SNAKE, "launcher/Snake-v0", 4, {"batch_steps": 400}, 2),
+    (SNAKE, "launcher/Snake-v0", 4, {"batch_steps": 400, "target": "gae"}, 2),
 ])
 def test_example_payloads_pass_the_masters_checks_and_move_the_weights(
         ref: str, env_id: str, k: int, overrides: dict[str, Any], payloads: int) -> None:
@@ -108,3 +109,15 @@ def test_snake_targets_are_the_recipes_a_step_is_1_when_a_fruit_follows_before_t
         assert sent + sum(len(p) for p in actor.pending) == played
         assert all(len(p) <= 100 for p in actor.pending)
     assert seen == {0.0, 1.0}, f"targets seen: {seen} (a random snake eats ~0.18 fruit in ~15 steps)"
+
+
+def test_snake_gae_target_sends_every_step_of_the_round_at_once() -> None:
+    """With ``target=gae`` (the departure that reaches the target) nothing waits for a fruit: each payload holds
+    exactly the steps played, with bootstrapped targets that are not the recipe's 0/1 labels."""
+    _, actor, _, envs, _ = in_process(SNAKE, "launcher/Snake-v0", 3, {"batch_steps": 600, "target": "gae"})
+    for _ in range(2):
+        arrays = actor.collect()
+        assert len(arrays["labels"]) == len(arrays["advantages"]) == envs.take()[0] > 0
+        assert all(len(p) == 0 for p in actor.pending)
+        assert np.isfinite(arrays["labels"]).all() and np.isfinite(arrays["advantages"]).all()
+        assert not set(np.unique(arrays["labels"]).tolist()) <= {0.0, 1.0}
