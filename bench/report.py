@@ -113,15 +113,22 @@ def _costly_envs(results: Path) -> list[str]:
 def write_report(results: Path, doc: Path) -> None:
     tts, actors, transport, memory, launch = (_load(results, n) for n in ("tts", "actors", "transport", "memory", "launch"))
     _plots(doc.parent, actors, tts)
-    metas = [d["meta"] for d in (tts, actors, transport, memory, launch) if d]
-    metas.sort(key=lambda m: m.get("date", ""), reverse=True)  # the newest measurement names the commit
-    meta = metas[0] if metas else {}
+    named = {n: d["meta"] for n, d in zip(("tts", "actors", "transport", "memory", "launch"),
+                                          (tts, actors, transport, memory, launch)) if d}
+
+    def machine(m: dict[str, Any]) -> str:
+        return (f"{m.get('cpu', '?')}, {m.get('cores', '?')} cores, {m.get('memory_gib', '?')} GiB, no GPU; "
+                f"Python {m.get('python', '?')}; commit `{m.get('commit', '?')}`; measured {m.get('date', '?')}")
+
     out = ["# Benchmarks", "",
            "Every figure is a ratio against a baseline measured by the same script in the same run: these",
-           "machines are shared and noisy, so absolute seconds drift while side-by-side ratios hold.",
-           "", f"Hardware: {meta.get('cpu', '?')}, {meta.get('cores', '?')} cores, {meta.get('memory_gib', '?')} GiB, "
-           f"no GPU; Python {meta.get('python', '?')}; commit `{meta.get('commit', '?')}`; measured {meta.get('date', '?')}.",
-           "", "Reproduce everything: `.venv/bin/python -m bench all` (about 15 minutes; `--quick` for fewer seeds).",
+           "machines are shared and noisy, so absolute seconds drift while side-by-side ratios hold.", ""]
+    if len({machine(m) for m in named.values()}) <= 1:
+        out += [f"Hardware: {machine(next(iter(named.values()), {}))}."]
+    else:  # sections measured at different times (or on different machines of this kind) say which is which
+        out += ["Hardware, per section (the sections were measured at different times):", ""]
+        out += [f"- `{n}`: {machine(m)}" for n, m in sorted(named.items(), key=lambda x: x[1].get("date", ""), reverse=True)]
+    out += ["", "Reproduce everything: `.venv/bin/python -m bench all` (about 15 minutes; `--quick` for fewer seeds).",
            "Each section names its own command. Raw results: `bench/results/*.json`.", ""]
     out += ["## 1. Time to solve CartPole-v1 (mean return ≥ 475 over 100 episodes)", ""]
     if tts:
