@@ -100,6 +100,12 @@ def load_policy(path: Path | None = None, *, environ: Mapping[str, str] | None =
     return narrow(admin, _load_file(named_path, named=True))
 
 
+def load_site_file(path: Path) -> SitePolicy:
+    """The administrator's policy file alone (absent: no policy), as the lease broker reads it: never the
+    caller's ``$LAUNCHER_POLICY``. Raises ConfigErrors as :func:`load_policy`."""
+    return _load_file(path, named=False)
+
+
 def _load_file(path: Path, *, named: bool) -> SitePolicy:
     """One policy file; the admin's may be absent (no policy), a named one must exist."""
     if not path.exists():
