@@ -20,7 +20,7 @@ from launcher.gpu.mig import placeable
 from launcher.gpu.nvml import GpuInfo, Inventory
 from launcher.gpu.placement import Plan, PlanRequest, make_plan
 from launcher.gpu.request import GpuRequest
-from launcher.gpu.store import NO_STORE_NOTE
+from launcher.gpu.store import NO_STORE_NOTE, no_broker_note
 from launcher.gpu.select import SelectionCriteria, why_not_free, pick_explicit, select_gpus, worst_of
 
 logger = logging.getLogger(__name__)
@@ -245,5 +245,8 @@ def plan_and_reserve(
     if request.on_cpu:
         notes = []
     single_user = [NO_STORE_NOTE] if leases is not None and leases.site is None and plan.kind == "gpu" else []
+    cap = site.max_gpus_per_user
+    if leases is not None and (leases.site is None or leases.site.broker is None) and cap is not None:
+        single_user.append(no_broker_note(cap))
     plan = replace(plan, reasons=(*notes, *plan.reasons, *limits, *single_user))
     return Outcome(plan=plan, reservation=reservation, gpus=tuple(used), site=site)

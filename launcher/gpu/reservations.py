@@ -9,6 +9,10 @@ and opened read-only, and ``--lock-dir`` cannot bypass them; without one, a sing
 (``$LAUNCHER_LOCK_DIR`` or ``/tmp/launcher-locks``, 1777, 0666 files) as before, which only holds between
 one user's runs. Runs in another mount namespace are seen through their containers' labels
 (:func:`launcher.gpu.holders.container_holders`).
+
+With a lease broker (the site file names its socket, :mod:`launcher.gpu.broker`) the launcher locks nothing
+itself: the broker, root, takes the leases (the per-user cap and the locks in one step), holds the locks and
+keeps them while any process tied to them lives; the lease files are then root 0600 and users cannot lock them.
 """
 
 from __future__ import annotations
@@ -28,9 +32,10 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from launcher.errors import BadInput, MissingDependency, NoResources
-from launcher.gpu.holders import (exclusive_holders, file_key, proc_info, read_label, read_proc_locks, user_name,
-                                  write_note)
+from launcher.errors import BadInput, LauncherError, MissingDependency, NoResources
+from launcher.gpu import broker_client
+from launcher.gpu.holders import (ProcInfo, exclusive_holders, file_key, proc_info, read_label, read_proc_locks,
+                                  user_name, write_note)
 from launcher.gpu.store import InsecureSite, Site, find_site, valid_uuid
 
 logger = logging.getLogger(__name__)
@@ -123,24 +128,49 @@ class Reservation:
     run_id: str
     lock_dir: Path
     _held: list[_HeldLock] = field(default_factory=list, repr=False)
+    broker: Path | None = None  # the lease broker's socket when the broker holds these leases
+    _brokered: list[str] = field(default_factory=list, repr=False)  # UUIDs the broker leased for this run
 
     @property
     def uuids(self) -> tuple[str, ...]:
-        return tuple(h.uuid for h in self._held)
+        return tuple(h.uuid for h in self._held) + tuple(self._brokered)
+
+    @property
+    def brokered(self) -> bool:
+        """Whether the lease broker holds these leases (then there are no descriptors to pass: :meth:`tie`)."""
+        return self.broker is not None
 
     @property
     def fds(self) -> tuple[int, ...]:
         """The locked descriptors: a process backend passes them to the master child (``pass_fds``), which
-        then keeps the leases for as long as it lives, even if the launcher is killed."""
+        then keeps the leases for as long as it lives, even if the launcher is killed. None with a broker."""
         return tuple(h.fd for h in self._held)
 
     @property
     def paths(self) -> tuple[Path, ...]:
         """The lease files, e.g. to bind-mount into a master container that takes the leases over."""
-        return tuple(h.path for h in self._held)
+        return tuple(h.path for h in self._held) + tuple(self.lock_dir / f"{u}.lock" for u in self._brokered)
+
+    def tie(self, pid: int) -> None:
+        """With a broker: keep these leases for as long as process ``pid`` (this user's; the run's master)
+        lives too, even after this launcher exits. Without one there is nothing to do: the process backend's
+        master inherits the locked descriptors (:attr:`fds`) and a Docker master takes the files over.
+
+        Raises:
+            LauncherError: the broker refused (another user's process) or is not answering.
+        """
+        if self.broker is not None and self._brokered:
+            broker_client.tie(self.broker, self._brokered, pid)
 
     def release(self) -> None:
         """Drop every lease (idempotent). The holder text is cleared first so nobody reads it as current."""
+        if self.broker is not None and self._brokered:
+            uuids, self._brokered = self._brokered, []
+            try:
+                broker_client.release(self.broker, uuids)
+            except LauncherError as exc:  # a release runs in teardown: say it, do not mask what ended the run
+                logger.warning("could not release GPU lease(s) %s through the broker: %s; they end when this run's "
+                               "processes have exited", ", ".join(uuids), exc.message)
         while self._held:
             held = self._held.pop()
             if held.note is not None:
@@ -301,6 +331,8 @@ def reserve(
     wanted = list(dict.fromkeys(uuids))
     need = len(wanted) if count is None else count
     ld = lease_dir(lock_dir)
+    if ld.site is not None and ld.site.broker is not None:
+        return _reserve_brokered(ld, ld.site.broker, wanted, run_id, count)
     if ld.site is None:
         ensure_shared_dir(ld.path)
     record = {"schema": LOCK_SCHEMA, "run_id": run_id, "pid": os.getpid(), "user": user_name(os.getuid()),
@@ -334,11 +366,41 @@ def reserve(
     return reservation
 
 
+def _reserve_brokered(ld: LeaseDir, broker: Path, wanted: list[str], run_id: str, count: int | None) -> Reservation:
+    """:func:`reserve` through the lease broker: it counts this user's leases against the site cap and takes the
+    locks in one step, tied to this process (:mod:`launcher.gpu.broker_client` raises its refusals)."""
+    reservation = Reservation(run_id, ld.path, broker=broker)
+    if not wanted or count == 0:
+        return reservation
+    for uuid in wanted:
+        _lock_path(ld.path, uuid)  # a malformed UUID is BadInput here, as without a broker
+    reservation._brokered = broker_client.lease(broker, run_id, wanted, count)
+    logger.info("run %s leased %s through the broker at %s", run_id, ", ".join(reservation.uuids), broker)
+    return reservation
+
+
+def _broker_holder(uuid: str, label: dict[str, Any]) -> Holder:
+    """A lease the broker holds (the kernel names the broker, root): who it is for is the broker's note, which
+    root wrote. The pid shown is the newest process tied to it (the run's master once the run started)."""
+    pids = [p for p in label.get("pids") or [] if isinstance(p, int) and not isinstance(p, bool) and p > 0]
+    pid = pids[-1] if pids else None
+    info = proc_info(pid) if pid else ProcInfo(None, None, None, None, None)
+    uid, user, since = label.get("uid"), label.get("user"), label.get("since")
+    return Holder(uuid=uuid, run_id=label.get("run_id") if isinstance(label.get("run_id"), str) else None, pid=pid,
+                  user=user if isinstance(user, str) else None,
+                  host=label.get("host") if isinstance(label.get("host"), str) else None,
+                  since=float(since) if isinstance(since, (int, float)) else info.started_at,
+                  uid=uid if isinstance(uid, int) and not isinstance(uid, bool) else None,
+                  container_id=info.container_id)
+
+
 def list_holders(lock_dir: str | Path | LeaseDir | None = None) -> list[Holder]:
     """Every GPU lease held now, by UUID, from the kernel's lock table (``/proc/locks``).
 
     A lease file nobody holds is not listed, whatever text it has. ``pid``/``uid``/``user``/``container_id``
-    are the kernel's; ``run_id``/``host``/``since`` the holder's own note.
+    are the kernel's; ``run_id``/``host``/``since`` the holder's own note. A lease the broker holds (the kernel
+    names a root process whose root-owned note says ``"broker": true``) is shown as the broker's note says:
+    the run's uid and user, its newest tied pid and that process's container.
     """
     ld = lock_dir if isinstance(lock_dir, LeaseDir) else lease_dir(lock_dir)
     try:
@@ -359,6 +421,9 @@ def list_holders(lock_dir: str | Path | LeaseDir | None = None) -> list[Holder]:
         info = proc_info(pid)
         note = ld.site.holders / f"{uuid}@{pid}.json" if ld.site is not None else None
         label = read_label(note, by_uuid[uuid], pid, info.uid)
+        if note is not None and info.uid == 0 and label.get("broker") is True:  # root's note: the broker's
+            holders.append(_broker_holder(uuid, label))
+            continue
         since = label.get("since")
         holders.append(Holder(
             uuid=uuid, run_id=label.get("run_id") if isinstance(label.get("run_id"), str) else None,
