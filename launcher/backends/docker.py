@@ -324,7 +324,9 @@ class DockerBackend(Backend):
     def _tie_to_master(self, reservation: Any, master_id: str) -> None:
         """With a lease broker: tie the run's leases to the master container's main process (its host pid from
         ``docker inspect``, State.Pid; it runs as this user's uid, :func:`container_user`), so they outlive a
-        detached launcher and end when the master does. The launcher's own tie keeps them meanwhile: no gap."""
+        detached launcher and end when the master does. The launcher's own tie keeps them meanwhile: no gap.
+        From then on the launcher's release leaves them (as after the file hand-over): they end when the master
+        has exited and so has this launcher (the latter is at most the teardown's seconds later)."""
         info = self.engine.inspect(master_id)
         pid = info.pid if info is not None else 0
         if pid <= 0:
@@ -332,6 +334,7 @@ class DockerBackend(Backend):
             raise NoResources(f"the master container {master_id[:12]} is not running (exit code {code}), so its GPU "
                               "leases cannot be tied to it", hint="see `launcher logs` for why the master stopped")
         reservation.tie(pid)
+        reservation.hand_to_master()  # a detached launcher's exit must not release what the master now holds
 
     def restart_group(self, index: int) -> None:
         """Start group ``index``'s exited container again (like ``docker start``)."""

@@ -130,6 +130,7 @@ class Reservation:
     _held: list[_HeldLock] = field(default_factory=list, repr=False)
     broker: Path | None = None  # the lease broker's socket when the broker holds these leases
     _brokered: list[str] = field(default_factory=list, repr=False)  # UUIDs the broker leased for this run
+    _with_master: bool = field(default=False, repr=False)  # handed to the master's tie: release() leaves them
 
     @property
     def uuids(self) -> tuple[str, ...]:
@@ -162,9 +163,15 @@ class Reservation:
         if self.broker is not None and self._brokered:
             broker_client.tie(self.broker, self._brokered, pid)
 
+    def hand_to_master(self) -> None:
+        """With a broker, once :meth:`tie` has tied the leases to a master that outlives this launcher (a Docker
+        master container): from now on the leases end with their tied processes (the master's, and this
+        launcher's until it exits), and :meth:`release` leaves them alone, as a detached run needs."""
+        self._with_master = True
+
     def release(self) -> None:
         """Drop every lease (idempotent). The holder text is cleared first so nobody reads it as current."""
-        if self.broker is not None and self._brokered:
+        if self.broker is not None and self._brokered and not self._with_master:
             uuids, self._brokered = self._brokered, []
             try:
                 broker_client.release(self.broker, uuids)

@@ -477,7 +477,7 @@ def test_without_a_broker_todays_behaviour_and_the_plan_says_the_cap_is_not_enfo
     trials = int(os.environ.get("LAUNCHER_BROKER_PLAIN_TRIALS", "50"))
     clients = [Proc(box, alice, ["-m", "tests.lease_client", f"plain{k}"], site=box.plain, name=f"plain{k}")
                for k in range(2)]
-    over = 0
+    over = racing_over = 0
     try:
         for c in clients:
             assert c.read()["ready"]
@@ -492,6 +492,25 @@ def test_without_a_broker_todays_behaviour_and_the_plan_says_the_cap_is_not_enfo
             for c in clients:
                 c.send("release")
                 assert c.read() == {"released": True}
+        # the first part of the cap test, on this store: both racing reserve() calls get a GPU (the cap is
+        # only the planner's count, so reserve() itself never refuses): the test above fails here
+        racers = [Proc(box, alice, ["tests/reserve_racer.py", str(box.plain.leases), f"old{k}", "1", ",".join(UUIDS)],
+                       site=box.plain, name=f"old{k}") for k in range(2)]
+        try:
+            for r in racers:
+                assert r.line() == "ready"
+            for _ in range(20):
+                for r in racers:
+                    r.send("go")
+                racing_over += sum(len(r.read()["uuids"]) for r in racers) > 1
+                for r in racers:
+                    r.send("release")
+                for r in racers:
+                    assert r.line() == "released"
+        finally:
+            for r in racers:
+                r.close()
+        assert racing_over == 20
         # a user's flock works here: it holds a GPU past the launcher (what the broker prevents)
         out = subprocess.run(box.as_user(box.users[1], ["flock", "-x", "-n", str(box.plain.lease_path(UUIDS[0])),
                                                         "true"]), capture_output=True, text=True, timeout=30)
@@ -500,9 +519,54 @@ def test_without_a_broker_todays_behaviour_and_the_plan_says_the_cap_is_not_enfo
         for c in clients:
             c.close()
         box.set_cap(None)
-    FIGURES["no_broker_over_cap"] = {"trials": trials, "trials_over_cap": over}
+    FIGURES["no_broker_over_cap"] = {"plan_trials": trials, "plan_trials_over_cap": over,
+                                     "reserve_trials": 20, "reserve_trials_over_cap": racing_over}
     print("figures: without a broker", FIGURES["no_broker_over_cap"])
 
 
 def test_figures(box: Box) -> None:
     print("figures:", json.dumps(FIGURES), file=sys.stderr)
+
+
+# ------------------------------------------------------------------------------------------- the backends' ties
+def test_the_backends_tie_the_lease_to_their_master(box: Box, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The process backend ties the lease to its master child; the Docker backend to the master container's pid
+    (from the engine's inspect) and mounts no lease files. Each master here is a `sleep` standing in; the
+    lease outlives the launcher's own release only through that tie."""
+    from types import SimpleNamespace
+
+    from launcher.backends.docker import DockerBackend
+    from launcher.backends.process import ProcessBackend
+
+    monkeypatch.setenv(store.SITE_ENV, str(box.site.site_file))
+    for backend_kind, uuid in (("process", UUIDS[0]), ("docker", UUIDS[1])):
+        reservation = reservations.reserve([uuid], f"{backend_kind}-run")
+        assert reservation.brokered and reservation.fds == ()
+        master = subprocess.Popen(["sleep", "60"])
+        try:
+            if backend_kind == "process":
+                backend: Any = ProcessBackend()
+                backend.run = SimpleNamespace(reservation=reservation)
+                backend.master = SimpleNamespace(proc=master)
+                backend._tie_leases()
+            else:
+                engine = SimpleNamespace(inspect=lambda cid: SimpleNamespace(pid=master.pid, exit_code=None))
+                backend = DockerBackend(engine=engine)  # type: ignore[arg-type]
+                backend._tie_to_master(reservation, "c" * 64)
+            (lease,) = [x for x in broker_client.leases(box.site.broker) if x["uuid"] == uuid]  # type: ignore[arg-type]
+            assert lease["pids"] == [os.getpid(), master.pid]
+            assert box.held()[uuid].pid == master.pid  # `launcher gpus` names the master
+        finally:
+            master.kill()
+            master.wait()
+
+        def pids() -> list[list[int]]:
+            return [x["pids"] for x in broker_client.leases(box.site.broker)  # type: ignore[arg-type]
+                    if x["uuid"] == uuid]
+
+        _wait_until(lambda: pids() == [[os.getpid()]], timeout_s=2)  # the master's tie went with it
+        reservation.release()
+        if backend_kind == "docker":  # handed to the master: a detached launcher's exit must not release it
+            assert pids() == [[os.getpid()]]
+            broker_client.release(box.site.broker, [uuid])  # type: ignore[arg-type]
+        assert uuid not in box.held()
