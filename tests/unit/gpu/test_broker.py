@@ -570,3 +570,15 @@ def test_the_backends_tie_the_lease_to_their_master(box: Box, monkeypatch: pytes
             assert pids() == [[os.getpid()]]
             broker_client.release(box.site.broker, [uuid])  # type: ignore[arg-type]
         assert uuid not in box.held()
+
+
+def test_the_broker_refuses_to_start_over_lease_files_users_can_open(box: Box) -> None:
+    loose = store.admin_init(UUIDS, site_file=box.base / "etc-loose" / "site.toml", store=box.base / "store-loose",
+                             policy=box.base / "etc-loose" / "policy.toml",
+                             broker=box.base / "run-loose" / "b.sock").site
+    os.chmod(loose.lease_path(UUIDS[2]), 0o644)  # as an older `admin init` without --broker made them
+    out = subprocess.run([str(PY), "-m", "launcher", "admin", "broker", "--site", str(loose.site_file)], cwd=ROOT,
+                         env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 2 and "can be opened by users" in out.stderr and "--broker" in out.stderr, out
+    assert not loose.broker.exists()  # type: ignore[union-attr]
