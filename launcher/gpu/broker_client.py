@@ -1,9 +1,11 @@
 """The only code that talks to the GPU lease broker (:mod:`launcher.gpu.broker`).
 
-One connection per request: the client sends one JSON line (at most :data:`MAX_REQUEST_BYTES`) and reads one
-JSON line back. Who asks is never in the request: the broker reads the caller's uid and pid from the socket
-(``SO_PEERCRED``). The client checks the other way round too: the process serving the socket must be root's,
-else it refuses to believe the answer (someone else's socket at that path cannot grant a lease).
+One connection per request: the client sends one JSON line (at most
+:data:`~launcher.gpu.broker_wire.MAX_REQUEST_BYTES`) and reads one JSON line back (the wire format is
+:mod:`launcher.gpu.broker_wire`, shared with the broker). Who asks is never in the request: the broker reads the
+caller's uid and pid from the socket (``SO_PEERCRED``). The client checks the other way round too: the process
+serving the socket must be root's, else it refuses to believe the answer (someone else's socket at that path
+cannot grant a lease).
 
 A refusal comes back as the error the launcher raises elsewhere for the same thing: a GPU held by another run
 or a per-user cap reached is :class:`~launcher.errors.NoResources` (exit 5), a request the broker refuses for
@@ -14,27 +16,18 @@ who asks (another user's lease, another user's process) or for its content is
 
 from __future__ import annotations
 
-import json
 import socket
-import struct
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 from launcher.errors import BadInput, LauncherError, MissingDependency, NoResources
+from launcher.gpu.broker_wire import MAX_REPLY_BYTES, MAX_REQUEST_BYTES, parse_reply, peer_credentials, request_line
 
-SCHEMA = "launcher.broker/v1"
-MAX_REQUEST_BYTES = 4096  # one request line, newline included; the broker refuses longer ones
-MAX_REPLY_BYTES = 256 * 1024  # a `list` reply of many leases; a lease reply is a few hundred bytes
 TIMEOUT_S = 10.0  # connect + answer; the broker answers in milliseconds unless it is stuck
-_CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 START_HINT = "ask the administrator to start `launcher admin broker` (docs/gpus.md, \"The lease broker\")"
-
-
-def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
-    """(pid, uid, gid) of the process at the other end of a connected Unix socket, from the kernel."""
-    pid, uid, gid = _CRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
-    return pid, uid, gid
+# A refusal's kind (broker_wire.REFUSALS) -> the error the launcher raises for the same thing elsewhere.
+_RAISES: dict[str, type[LauncherError]] = {"busy": NoResources, "cap": NoResources, "denied": BadInput, "bad": BadInput}
 
 
 def _unreachable(path: Path, why: str) -> MissingDependency:
@@ -66,7 +59,7 @@ def ask(path: Path, request: dict[str, Any], *, timeout_s: float = TIMEOUT_S) ->
         NoResources: the broker refused a lease: GPUs held by other runs, or the per-user cap.
         LauncherError: the socket is served by a non-root process, or the reply is not the protocol's.
     """
-    line = json.dumps({"schema": SCHEMA, **request}, separators=(",", ":")).encode() + b"\n"
+    line = request_line(request)
     if len(line) > MAX_REQUEST_BYTES:
         raise BadInput(f"a lease broker request of {len(line)} bytes is longer than the {MAX_REQUEST_BYTES} allowed "
                        f"({len(request.get('uuids') or [])} UUIDs)", hint="ask for fewer GPUs in one run")
@@ -91,23 +84,15 @@ def ask(path: Path, request: dict[str, Any], *, timeout_s: float = TIMEOUT_S) ->
             raise _unreachable(path, exc.strerror or str(exc)) from None
     finally:
         sock.close()
-    try:
-        reply = json.loads(raw)
-    except ValueError:
-        reply = None
-    if not isinstance(reply, dict):
+    reply = parse_reply(raw)
+    if reply is None:
         raise LauncherError(f"the GPU lease broker at {path} answered {raw[:200]!r}, not a JSON object",
                             hint="check that `launcher admin broker` and this launcher are the same version")
     if reply.get("ok") is True:
         return reply
     message = str(reply.get("error") or f"the GPU lease broker at {path} refused the request without a reason")
     hint = reply.get("hint") if isinstance(reply.get("hint"), str) else None
-    kind = reply.get("refusal")
-    if kind in ("busy", "cap"):
-        raise NoResources(message, hint=hint)
-    if kind in ("denied", "bad"):
-        raise BadInput(message, hint=hint)
-    raise LauncherError(message, hint=hint)
+    raise _RAISES.get(str(reply.get("refusal")), LauncherError)(message, hint=hint)
 
 
 def lease(path: Path, run_id: str, uuids: Iterable[str], count: int | None = None) -> list[str]:
