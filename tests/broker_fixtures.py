@@ -20,7 +20,7 @@ from typing import IO, Any
 
 import pytest
 
-from launcher.gpu import reservations, store
+from launcher.gpu import leaseholders, reservations, store
 from tests.host_guard import unix_user_name
 from tests.nvml_fixtures import build_stub, machine, stub_uuid
 
@@ -72,9 +72,9 @@ class Box:
     def as_user(self, user: User, argv: list[str]) -> list[str]:
         return ["setpriv", f"--reuid={user.uid}", f"--regid={user.gid}", "--clear-groups", "--", *argv]
 
-    def held(self, site: store.Site | None = None) -> dict[str, reservations.Holder]:
+    def held(self, site: store.Site | None = None) -> dict[str, leaseholders.Holder]:
         s = site or self.site
-        return {h.uuid: h for h in reservations.list_holders(reservations.LeaseDir(s.leases, s))}
+        return {h.uuid: h for h in leaseholders.list_holders(reservations.LeaseDir(s.leases, s))}
 
     def set_cap(self, cap: int | None) -> None:
         text = "" if cap is None else f"max_gpus_per_user = {cap}\n"

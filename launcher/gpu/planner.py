@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 
 from launcher.errors import MissingDependency, NoResources
-from launcher.gpu import holders, nvml, policy, reservations
+from launcher.gpu import holders, leaseholders, nvml, policy, reservations
 from launcher.gpu.mig import placeable
 from launcher.gpu.nvml import GpuInfo, Inventory
 from launcher.gpu.placement import Plan, PlanRequest, make_plan
@@ -60,7 +60,7 @@ def held_by_other_runs(lock_dir: str | None = None, *, check_containers: bool = 
     containers = holders.container_holders()[0] if check_containers else []
     run_of = {c.container_id: c.run_id for c in containers if c.run_id}
     held: dict[str, str] = {}
-    for h in reservations.list_holders(lock_dir):
+    for h in leaseholders.list_holders(lock_dir):
         if h.run_id is None and h.container_id in run_of:
             h = replace(h, run_id=run_of[h.container_id])
         held.setdefault(h.uuid, h.describe())

@@ -279,9 +279,9 @@ def plan_obeying(make: Callable[[Any], tuple[Any, Any]], request: Any, policy: S
 
 def held_by_user(user: str, lock_dir: str | Path | None, *, exclude_run: str | None = None) -> int:
     """GPUs that ``user``'s launcher runs (other than ``exclude_run``) hold now, from the lock files."""
-    from launcher.gpu import reservations
+    from launcher.gpu import leaseholders
 
-    return len({h.uuid for h in reservations.list_holders(lock_dir)
+    return len({h.uuid for h in leaseholders.list_holders(lock_dir)
                 if h.user == user and (exclude_run is None or h.run_id != exclude_run)})
 
 
