@@ -4,6 +4,7 @@
 # runs, and checks at the end that the suite left them and the user list as they were.
 pytest_plugins = ["tests.host_guard"]
 pytest_plugins += ["tests.nvml_fixtures"]
+pytest_plugins += ["tests.broker_fixtures"]  # broker_box: a lease store with a running broker and two users (root)
 pytest_plugins += ["tests.docker_fixtures"]  # docker_client, launcher_image, run_container
 pytest_plugins += ["tests.run_fixtures"]  # trained_cartpole: one real run trained to 475, per session
 pytest_plugins += ["tests.testbed.fixtures"]  # swarm_bed, fresh_engine, bed_factory: extra daemons (root)

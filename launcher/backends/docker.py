@@ -41,7 +41,7 @@ from launcher.engine.client import ContainerSpec, Engine, engine_unavailable_rea
 from launcher.engine.errors import ENGINE_RESTART_WINDOW_S, EngineUnreachable, outlast_outage
 from launcher.engine.labels import RUN_LABEL, USER_LABEL
 from launcher.config import RunConfig
-from launcher.errors import BadInput, MissingDependency
+from launcher.errors import BadInput, MissingDependency, NoResources
 from launcher.gpu import handover
 from launcher.gpu.placement import Plan
 from launcher.runs import RunDir
@@ -92,7 +92,10 @@ def container_specs(run: PreparedRun, *, image: str, gpu_runtime: bool, uid_gid:
     secret_bind = {str(secret_path(rid)): SECRET_MOUNT, **envcheck.container_mounts(code)}
     m = run.plan.master
     mlim = master_limits(m)
-    lease = run.reservation if run.reservation is not None and run.reservation.uuids else None
+    # Without a lease broker the master takes the leases over from mounted lease files; with one, the broker ties
+    # them to the master's pid (DockerBackend._start_master) and the files (root 0600) are not mounted.
+    lease = (run.reservation if run.reservation is not None and run.reservation.uuids
+             and not run.reservation.brokered else None)
     master = ContainerSpec(
         name=master_name(rid), image=image, command=("master",),
         environment={**secret_env, **worker_env(Kind.DOCKER, m, master_addr=None),
@@ -262,7 +265,9 @@ class DockerBackend(Backend):
         self.create(run)
         # The master takes the run's GPU leases first thing; the launcher lets go of them right before and
         # confirms from /proc/locks that the master holds them before the groups start (launcher.gpu.handover).
-        lease = run.reservation if run.reservation is not None and run.reservation.uuids else None
+        # With a lease broker there is no gap: the launcher's lease stays until the broker has tied it to the master.
+        lease = (run.reservation if run.reservation is not None and run.reservation.uuids
+                 and not run.reservation.brokered else None)
         where = handover.lease_dir_of(lease) if lease else None
         uuids = handover.hand_over(lease) if lease else ()
         self._leases = (uuids, where)  # the master holds them now; a new master (restart_master) takes them again
@@ -307,11 +312,29 @@ class DockerBackend(Backend):
         master_id = self.master_id
         uuids, where = self._leases
         self.engine.start(master_id)
+        reservation = self.run.reservation if self.run is not None else None
+        if reservation is not None and reservation.brokered and reservation.uuids:
+            self._tie_to_master(reservation, master_id)
         if uuids:
             def exit_code() -> int | None:
                 c = self.engine.inspect(master_id)
                 return -1 if c is None else c.exit_code
             handover.confirm_held_by_container(uuids, master_id, exit_code=exit_code, where=where)
+
+    def _tie_to_master(self, reservation: Any, master_id: str) -> None:
+        """With a lease broker: tie the run's leases to the master container's main process (its host pid from
+        ``docker inspect``, State.Pid; it runs as this user's uid, :func:`container_user`), so they outlive a
+        detached launcher and end when the master does. The launcher's own tie keeps them meanwhile: no gap.
+        From then on the launcher's release leaves them (as after the file hand-over): they end when the master
+        has exited and so has this launcher (the latter is at most the teardown's seconds later)."""
+        info = self.engine.inspect(master_id)
+        pid = info.pid if info is not None else 0
+        if pid <= 0:
+            code = None if info is None else info.exit_code
+            raise NoResources(f"the master container {master_id[:12]} is not running (exit code {code}), so its GPU "
+                              "leases cannot be tied to it", hint="see `launcher logs` for why the master stopped")
+        reservation.tie(pid)
+        reservation.hand_to_master()  # a detached launcher's exit must not release what the master now holds
 
     def restart_group(self, index: int) -> None:
         """Start group ``index``'s exited container again (like ``docker start``)."""

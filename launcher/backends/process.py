@@ -113,7 +113,8 @@ class ProcessBackend(Backend):
 
         master = specs.part("master")
         # The master inherits the run's GPU leases too (launcher.gpu.handover): if the launcher is killed they
-        # stay held while the master checkpoints and exits.
+        # stay held while the master checkpoints and exits. With a lease broker there are no descriptors: the
+        # broker ties the leases to the master's pid instead (_tie_leases).
         leases = run.reservation.fds if run.reservation is not None else ()
         self.master = _Child("master", list(master.command), env_of(master, **{LISTEN_FD_ENV: str(sock.fileno())}),
                              logs / MASTER_LOG, pass_fds=(sock.fileno(), *leases), secret=run.secret)
@@ -121,6 +122,7 @@ class ProcessBackend(Backend):
         if self._sock_dir is not None:  # stop() removes it; if this launcher dies first, the reaper does
             self._reaper.on_death(["rm", "-rf", "--", str(self._sock_dir)])
         self._start_child(self.master)
+        self._tie_leases()
         for g in run.plan.groups:
             part = specs.part(f"group-{g.index}")
             child = _Child(part.name, list(part.command), env_of(part), logs / group_log_name(g.index),
@@ -203,6 +205,14 @@ class ProcessBackend(Backend):
         os.write(self.master.open_log(), f"--- launcher: the master died (exit {self.master.exit_code()}); starting "
                                          f"a new one from the newest checkpoint ---\n".encode())
         self._start_child(self.master)
+        self._tie_leases()
+
+    def _tie_leases(self) -> None:
+        """With a lease broker: keep the run's GPU leases while the master lives, as inheriting the locked
+        descriptors does without one (a killed launcher's GPUs stay leased until the master has exited)."""
+        reservation = self.run.reservation if self.run is not None else None
+        if reservation is not None and reservation.brokered and self.master is not None and self.master.proc:
+            reservation.tie(self.master.proc.pid)
 
     def stop(self, *, grace_s: float = 8.0) -> None:
         deadline = time.monotonic() + grace_s

@@ -17,11 +17,11 @@ from typing import Any, Sequence
 
 from launcher import gpu
 from launcher.errors import MissingDependency
-from launcher.gpu import foreign, reservations
+from launcher.gpu import foreign, leaseholders, reservations
 from launcher.gpu.nvml import Inventory
 from launcher.gpu.holders import ContainerHolder, container_holders, container_id_of_pid
 from launcher.gpu.queue import Ticket, read_queue
-from launcher.gpu.reservations import Holder
+from launcher.gpu.leaseholders import Holder
 from launcher.gpu.store import NO_STORE_NOTE
 from launcher.units import format_size
 
@@ -146,7 +146,7 @@ def format_report(report: dict[str, Any]) -> str:
 def run(args: argparse.Namespace) -> int:
     inventory = gpu.inventory()
     ld = reservations.lease_dir(args.lock_dir)
-    locks = reservations.list_holders(ld)
+    locks = leaseholders.list_holders(ld)
     store = {"mode": "admin" if ld.site else "single-user", "leases": str(ld.path),
              "site_file": str(ld.site.site_file) if ld.site else None, "note": None if ld.site else NO_STORE_NOTE}
     if args.no_docker:

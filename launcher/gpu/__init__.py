@@ -13,7 +13,7 @@ Inside (each module one concern, pure where it can be):
 * :mod:`~launcher.gpu.request` – :class:`GpuRequest` and the ``--gpus`` parser.
 * :mod:`~launcher.gpu.select` – pure selection over snapshots (thresholds, worst of N readings).
 * :mod:`~launcher.gpu.placement` – pure ``make_plan`` -> :class:`Plan` (GPU UUIDs and CPU shares per process).
-* :mod:`~launcher.gpu.reservations` – per-GPU ``flock`` leases and who holds them.
+* :mod:`~launcher.gpu.reservations` – per-GPU ``flock`` leases; :mod:`~launcher.gpu.leaseholders` – who holds them.
 * :mod:`~launcher.gpu.policy` – the administrator's site policy as pure functions.
 * :mod:`~launcher.gpu.planner` – the impure sequence that ties them together.
 """
@@ -84,7 +84,7 @@ def plan_and_reserve(request: GpuRequest, *, run_id: str, cpu_count: int | None 
         NoResources: the plan does not fit, or other runs hold the GPUs (exit 5; with --wait, when time is up).
         MissingDependency: explicit GPUs were named but NVML is unavailable (exit 6).
     """
-    from launcher.gpu import planner, queue, reservations
+    from launcher.gpu import leaseholders, planner, queue, reservations
 
     cores = cpu_count or _cores()
     if request.wait_s is None or request.on_cpu:
@@ -95,7 +95,7 @@ def plan_and_reserve(request: GpuRequest, *, run_id: str, cpu_count: int | None 
         reservations.ensure_shared_dir(ld.queue)
 
     def busy() -> str:
-        held = reservations.list_holders(ld)
+        held = leaseholders.list_holders(ld)
         return "held: " + ("; ".join(f"{h.uuid} by {h.describe()}" for h in held) if held else "none (GPUs busy "
                                                                                              "outside the launcher)")
 

@@ -117,7 +117,7 @@ def parent_pid(pid: int) -> int | None:
 
 
 def leases_from(holders: Sequence[Any], containers: Sequence[Any]) -> dict[str, LeaseParts]:
-    """UUID -> :class:`LeaseParts` from the kernel's lease holders (:func:`launcher.gpu.reservations.list_holders`)
+    """UUID -> :class:`LeaseParts` from the kernel's lease holders (:func:`launcher.gpu.leaseholders.list_holders`)
     and the run-labelled containers (:func:`launcher.gpu.holders.container_holders`)."""
     out: dict[str, LeaseParts] = {}
     for h in holders:

@@ -21,7 +21,8 @@ import time
 from collections.abc import Callable
 
 from launcher.errors import NoResources
-from launcher.gpu.reservations import LeaseDir, Reservation, lease_dir, list_holders
+from launcher.gpu.leaseholders import list_holders
+from launcher.gpu.reservations import LeaseDir, Reservation, lease_dir
 from worker.contract import LEASE_DIR, LEASE_LOST_EXIT, LEASES_ENV
 
 

@@ -15,12 +15,12 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 
 from launcher.errors import MissingDependency, NoResources
-from launcher.gpu import holders, nvml, policy, reservations
+from launcher.gpu import holders, leaseholders, nvml, policy, reservations
 from launcher.gpu.mig import placeable
 from launcher.gpu.nvml import GpuInfo, Inventory
 from launcher.gpu.placement import Plan, PlanRequest, make_plan
 from launcher.gpu.request import GpuRequest
-from launcher.gpu.store import NO_STORE_NOTE
+from launcher.gpu.store import NO_STORE_NOTE, no_broker_note
 from launcher.gpu.select import SelectionCriteria, why_not_free, pick_explicit, select_gpus, worst_of
 
 logger = logging.getLogger(__name__)
@@ -60,7 +60,7 @@ def held_by_other_runs(lock_dir: str | None = None, *, check_containers: bool = 
     containers = holders.container_holders()[0] if check_containers else []
     run_of = {c.container_id: c.run_id for c in containers if c.run_id}
     held: dict[str, str] = {}
-    for h in reservations.list_holders(lock_dir):
+    for h in leaseholders.list_holders(lock_dir):
         if h.run_id is None and h.container_id in run_of:
             h = replace(h, run_id=run_of[h.container_id])
         held.setdefault(h.uuid, h.describe())
@@ -245,5 +245,8 @@ def plan_and_reserve(
     if request.on_cpu:
         notes = []
     single_user = [NO_STORE_NOTE] if leases is not None and leases.site is None and plan.kind == "gpu" else []
+    cap = site.max_gpus_per_user
+    if leases is not None and (leases.site is None or leases.site.broker is None) and cap is not None:
+        single_user.append(no_broker_note(cap))
     plan = replace(plan, reasons=(*notes, *plan.reasons, *limits, *single_user))
     return Outcome(plan=plan, reservation=reservation, gpus=tuple(used), site=site)

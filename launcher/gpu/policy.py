@@ -100,6 +100,12 @@ def load_policy(path: Path | None = None, *, environ: Mapping[str, str] | None =
     return narrow(admin, _load_file(named_path, named=True))
 
 
+def load_site_file(path: Path) -> SitePolicy:
+    """The administrator's policy file alone (absent: no policy), as the lease broker reads it: never the
+    caller's ``$LAUNCHER_POLICY``. Raises ConfigErrors as :func:`load_policy`."""
+    return _load_file(path, named=False)
+
+
 def _load_file(path: Path, *, named: bool) -> SitePolicy:
     """One policy file; the admin's may be absent (no policy), a named one must exist."""
     if not path.exists():
@@ -273,9 +279,9 @@ def plan_obeying(make: Callable[[Any], tuple[Any, Any]], request: Any, policy: S
 
 def held_by_user(user: str, lock_dir: str | Path | None, *, exclude_run: str | None = None) -> int:
     """GPUs that ``user``'s launcher runs (other than ``exclude_run``) hold now, from the lock files."""
-    from launcher.gpu import reservations
+    from launcher.gpu import leaseholders
 
-    return len({h.uuid for h in reservations.list_holders(lock_dir)
+    return len({h.uuid for h in leaseholders.list_holders(lock_dir)
                 if h.user == user and (exclude_run is None or h.run_id != exclude_run)})
 
 

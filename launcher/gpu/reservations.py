@@ -2,13 +2,17 @@
 
 Each GPU (or MIG instance) has a lease file ``<UUID>.lock``; a run takes an exclusive ``flock`` on it and
 keeps the descriptor for its whole life, and the kernel drops it when the holder dies, however it dies.
-Who holds a lease is read from the kernel (``/proc/locks``, :mod:`launcher.gpu.holders`), never from text.
+Who holds a lease is read from the kernel (``/proc/locks``), never from text: :mod:`launcher.gpu.leaseholders`.
 
 Two modes (:func:`lease_dir`): with an admin store (:mod:`launcher.gpu.store`) the lease files are root's
 and opened read-only, and ``--lock-dir`` cannot bypass them; without one, a single-user lock directory
 (``$LAUNCHER_LOCK_DIR`` or ``/tmp/launcher-locks``, 1777, 0666 files) as before, which only holds between
 one user's runs. Runs in another mount namespace are seen through their containers' labels
 (:func:`launcher.gpu.holders.container_holders`).
+
+With a lease broker (the site file names its socket, :mod:`launcher.gpu.broker`) the launcher locks nothing
+itself: the broker, root, takes the leases (the per-user cap and the locks in one step), holds the locks and
+keeps them while any process tied to them lives; the lease files are then root 0600 and users cannot lock them.
 """
 
 from __future__ import annotations
@@ -28,9 +32,9 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from launcher.errors import BadInput, MissingDependency, NoResources
-from launcher.gpu.holders import (exclusive_holders, file_key, proc_info, read_label, read_proc_locks, user_name,
-                                  write_note)
+from launcher.errors import BadInput, LauncherError, MissingDependency, NoResources
+from launcher.gpu import broker_client
+from launcher.gpu.holders import user_name, write_note
 from launcher.gpu.store import InsecureSite, Site, find_site, valid_uuid
 
 logger = logging.getLogger(__name__)
@@ -85,26 +89,6 @@ def _lock_path(directory: Path, uuid: str) -> Path:
     return directory / f"{uuid}.lock"
 
 
-@dataclass(frozen=True)
-class Holder:
-    """Who holds a GPU's lease. ``pid`` and ``uid`` come from the kernel's lock table; ``run_id``, ``host`` and
-    ``since`` from the holder's note (a label, trusted only for the holder's own uid)."""
-
-    uuid: str
-    run_id: str | None = None
-    pid: int | None = None
-    user: str | None = None
-    host: str | None = None
-    since: float | None = None  # Unix time the lease was taken (else the holder process's start)
-    uid: int | None = None
-    container_id: str | None = None
-
-    def describe(self) -> str:
-        details = ", ".join(x for x in (self.pid and f"pid {self.pid}", self.user and f"user {self.user}",
-                                        self.container_id and f"container {self.container_id[:12]}") if x)
-        return f"launcher run {self.run_id or '?'}" + (f" ({details})" if details else "")
-
-
 @dataclass
 class _HeldLock:
     uuid: str
@@ -123,24 +107,56 @@ class Reservation:
     run_id: str
     lock_dir: Path
     _held: list[_HeldLock] = field(default_factory=list, repr=False)
+    broker: Path | None = None  # the lease broker's socket when the broker holds these leases
+    _brokered: list[str] = field(default_factory=list, repr=False)  # UUIDs the broker leased for this run
+    _with_master: bool = field(default=False, repr=False)  # handed to the master's tie: release() leaves them
 
     @property
     def uuids(self) -> tuple[str, ...]:
-        return tuple(h.uuid for h in self._held)
+        return tuple(h.uuid for h in self._held) + tuple(self._brokered)
+
+    @property
+    def brokered(self) -> bool:
+        """Whether the lease broker holds these leases (then there are no descriptors to pass: :meth:`tie`)."""
+        return self.broker is not None
 
     @property
     def fds(self) -> tuple[int, ...]:
         """The locked descriptors: a process backend passes them to the master child (``pass_fds``), which
-        then keeps the leases for as long as it lives, even if the launcher is killed."""
+        then keeps the leases for as long as it lives, even if the launcher is killed. None with a broker."""
         return tuple(h.fd for h in self._held)
 
     @property
     def paths(self) -> tuple[Path, ...]:
         """The lease files, e.g. to bind-mount into a master container that takes the leases over."""
-        return tuple(h.path for h in self._held)
+        return tuple(h.path for h in self._held) + tuple(self.lock_dir / f"{u}.lock" for u in self._brokered)
+
+    def tie(self, pid: int) -> None:
+        """With a broker: keep these leases for as long as process ``pid`` (this user's; the run's master)
+        lives too, even after this launcher exits. Without one there is nothing to do: the process backend's
+        master inherits the locked descriptors (:attr:`fds`) and a Docker master takes the files over.
+
+        Raises:
+            LauncherError: the broker refused (another user's process) or is not answering.
+        """
+        if self.broker is not None and self._brokered:
+            broker_client.tie(self.broker, self._brokered, pid)
+
+    def hand_to_master(self) -> None:
+        """With a broker, once :meth:`tie` has tied the leases to a master that outlives this launcher (a Docker
+        master container): from now on the leases end with their tied processes (the master's, and this
+        launcher's until it exits), and :meth:`release` leaves them alone, as a detached run needs."""
+        self._with_master = True
 
     def release(self) -> None:
         """Drop every lease (idempotent). The holder text is cleared first so nobody reads it as current."""
+        if self.broker is not None and self._brokered and not self._with_master:
+            uuids, self._brokered = self._brokered, []
+            try:
+                broker_client.release(self.broker, uuids)
+            except LauncherError as exc:  # a release runs in teardown: say it, do not mask what ended the run
+                logger.warning("could not release GPU lease(s) %s through the broker: %s; they end when this run's "
+                               "processes have exited", ", ".join(uuids), exc.message)
         while self._held:
             held = self._held.pop()
             if held.note is not None:
@@ -301,6 +317,8 @@ def reserve(
     wanted = list(dict.fromkeys(uuids))
     need = len(wanted) if count is None else count
     ld = lease_dir(lock_dir)
+    if ld.site is not None and ld.site.broker is not None:
+        return _reserve_brokered(ld, ld.site.broker, wanted, run_id, count)
     if ld.site is None:
         ensure_shared_dir(ld.path)
     record = {"schema": LOCK_SCHEMA, "run_id": run_id, "pid": os.getpid(), "user": user_name(os.getuid()),
@@ -323,7 +341,9 @@ def reserve(
         raise
     if len(reservation._held) < need:
         reservation.release()
-        holders = {h.uuid: h for h in list_holders(ld)}
+        from launcher.gpu import leaseholders  # here, not at the top: leaseholders imports this module
+
+        holders = {h.uuid: h for h in leaseholders.list_holders(ld)}
         who = "; ".join(f"{u} held by {holders[u].describe() if u in holders else 'another run'}" for u in busy)
         raise NoResources(
             f"could not reserve {need} GPU(s) for run {run_id} among {len(wanted)}: {who or 'none free'}",
@@ -334,36 +354,14 @@ def reserve(
     return reservation
 
 
-def list_holders(lock_dir: str | Path | LeaseDir | None = None) -> list[Holder]:
-    """Every GPU lease held now, by UUID, from the kernel's lock table (``/proc/locks``).
-
-    A lease file nobody holds is not listed, whatever text it has. ``pid``/``uid``/``user``/``container_id``
-    are the kernel's; ``run_id``/``host``/``since`` the holder's own note.
-    """
-    ld = lock_dir if isinstance(lock_dir, LeaseDir) else lease_dir(lock_dir)
-    try:
-        paths = sorted(ld.path.glob("*.lock"))
-    except OSError:
-        return []
-    files: dict[tuple[tuple[int, int], int], str] = {}
-    by_uuid: dict[str, Path] = {}
-    for path in paths:
-        try:
-            files[file_key(os.stat(path, follow_symlinks=False))] = path.name[: -len(".lock")]
-        except OSError:
-            continue
-        by_uuid[path.name[: -len(".lock")]] = path
-    holders: list[Holder] = []
-    for uuid, pids in sorted(exclusive_holders(files, read_proc_locks()).items()):
-        pid = pids[0]
-        info = proc_info(pid)
-        note = ld.site.holders / f"{uuid}@{pid}.json" if ld.site is not None else None
-        label = read_label(note, by_uuid[uuid], pid, info.uid)
-        since = label.get("since")
-        holders.append(Holder(
-            uuid=uuid, run_id=label.get("run_id") if isinstance(label.get("run_id"), str) else None,
-            pid=pid if pid > 0 else None, user=info.user,
-            host=label.get("host") if isinstance(label.get("host"), str) else None,
-            since=float(since) if isinstance(since, (int, float)) else info.started_at,
-            uid=info.uid, container_id=info.container_id))
-    return holders
+def _reserve_brokered(ld: LeaseDir, broker: Path, wanted: list[str], run_id: str, count: int | None) -> Reservation:
+    """:func:`reserve` through the lease broker: it counts this user's leases against the site cap and takes the
+    locks in one step, tied to this process (:mod:`launcher.gpu.broker_client` raises its refusals)."""
+    reservation = Reservation(run_id, ld.path, broker=broker)
+    if not wanted or count == 0:
+        return reservation
+    for uuid in wanted:
+        _lock_path(ld.path, uuid)  # a malformed UUID is BadInput here, as without a broker
+    reservation._brokered = broker_client.lease(broker, run_id, wanted, count)
+    logger.info("run %s leased %s through the broker at %s", run_id, ", ".join(reservation.uuids), broker)
+    return reservation

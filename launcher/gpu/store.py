@@ -4,6 +4,7 @@
 
     store = "/var/lib/launcher"            # root 0755
     policy = "/etc/launcher/policy.toml"   # the site policy (authoritative)
+    broker = "/run/launcher/broker.sock"   # only with `admin init --broker`: the lease broker's socket
 
 and makes the store: ``leases/`` (root 0755) holding one lock file per GPU and MIG instance UUID (root
 0644: users open them read-only and ``flock`` them, which needs no write access, and nobody but root can
@@ -11,6 +12,9 @@ delete or replace them), ``queue/`` (root 1777, sticky: users create their own w
 other users', and can list them all, which the queue order needs; 1733 would hide the queue from its
 waiters), and ``holders/`` (1733: a note per lease naming the run, opened by name, trusted only for the uid
 that owns it).
+
+With ``broker`` (:mod:`launcher.gpu.broker`), the lease files are root 0600 instead: no user can open, hence
+``flock``, them; the root-run broker takes every lease, the per-user cap and the locks in one step.
 
 Without a site file the launcher works as before for one user (lock files in ``$LAUNCHER_LOCK_DIR`` or
 ``/tmp/launcher-locks``) and says so in one line.
@@ -40,6 +44,15 @@ DEFAULT_POLICY = Path("/etc/launcher/policy.toml")
 LEASES, QUEUE, HOLDERS = "leases", "queue", "holders"
 NO_STORE_NOTE = ("no admin lease store (/etc/launcher/site.toml): GPU leases hold between this user's runs only; "
                  "`sudo launcher admin init` makes them hold between users")
+
+
+def no_broker_note(cap: int) -> str:
+    """The plan's one line when the site caps GPUs per user but no lease broker enforces it."""
+    return (f"no lease broker: the site's max_gpus_per_user = {cap} is counted by each launcher, not enforced (two "
+            "launchers started together may exceed it); `sudo launcher admin init --broker "
+            "/run/launcher/broker.sock` and `launcher admin broker` enforce it")
+
+
 # What may name a lease file: GPU-/MIG- UUIDs, no path separators. Here, beside the store that holds one file per
 # UUID, so that both this module and launcher.gpu.reservations check names without importing each other.
 _UUID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -63,6 +76,7 @@ class Site:
     site_file: Path
     store: Path
     policy: Path
+    broker: Path | None = None  # the lease broker's socket; None: users flock the lease files themselves
 
     @property
     def leases(self) -> Path:
@@ -106,13 +120,15 @@ def _read_site_file(path: Path) -> Site:
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
         raise BadInput(f"cannot read the site file {path}: {exc}",
                        hint="ask the administrator to run `launcher admin init` again") from None
-    unknown = sorted(set(data) - {"store", "policy"})
-    if unknown or not isinstance(data.get("store", ""), str) or not isinstance(data.get("policy", ""), str):
+    unknown = sorted(set(data) - {"store", "policy", "broker"})
+    if unknown or any(not isinstance(data.get(k, ""), str) for k in ("store", "policy", "broker")):
         raise BadInput(f"the site file {path} has unexpected content (keys {sorted(data)}); expected "
-                       "store = \"/var/lib/launcher\" and policy = \"/etc/launcher/policy.toml\"",
+                       "store = \"/var/lib/launcher\", policy = \"/etc/launcher/policy.toml\" and optionally "
+                       "broker = \"/run/launcher/broker.sock\"",
                        hint="ask the administrator to fix it or run `launcher admin init` again")
     return Site(site_file=path, store=Path(data.get("store") or DEFAULT_STORE),
-                policy=Path(data.get("policy") or DEFAULT_POLICY))
+                policy=Path(data.get("policy") or DEFAULT_POLICY),
+                broker=Path(data["broker"]) if data.get("broker") else None)
 
 
 def find_site(environ: dict[str, str] | None = None) -> Site | None:
@@ -133,6 +149,19 @@ def find_site(environ: dict[str, str] | None = None) -> Site | None:
             return None  # an override anyone could have made: not a site; the one-line note says so
     else:
         return None
+    _root_only(path, "site file")
+    site = _read_site_file(path)
+    _root_only(site.leases, "lease store")
+    return site
+
+
+def site_from_file(path: Path) -> Site:
+    """A site file named on the command line (``launcher admin broker --site``), trusted only as
+    :func:`find_site` trusts ``/etc/launcher/site.toml``: it and its store must be root's, writable by root only.
+
+    Raises:
+        InsecureSite, BadInput: as :func:`find_site`.
+    """
     _root_only(path, "site file")
     site = _read_site_file(path)
     _root_only(site.leases, "lease store")
@@ -161,12 +190,15 @@ def _ensure_dir(path: Path, mode: int, made: list[str]) -> None:
 
 
 def admin_init(uuids: Iterable[str], *, site_file: Path = SITE_FILE, store: Path = DEFAULT_STORE,
-               policy: Path = DEFAULT_POLICY) -> InitReport:
+               policy: Path = DEFAULT_POLICY, broker: Path | None = None) -> InitReport:
     """Create (or repair) the lease store and the site file; idempotent. Root only.
 
     Args:
         uuids: the GPU and MIG instance UUIDs to make lease files for (``launcher admin init`` reads NVML).
         site_file, store, policy: where to put them (tests use temporary directories and ``$LAUNCHER_SITE``).
+        broker: the lease broker's socket (:mod:`launcher.gpu.broker`): lease files become root 0600 (users
+            cannot open them, so only the broker can lock them) and its directory root 0755. None: no
+            broker, lease files root 0644 (users flock them themselves), as before.
 
     Raises:
         BadInput: not root, or a path in the way.
@@ -178,10 +210,13 @@ def admin_init(uuids: Iterable[str], *, site_file: Path = SITE_FILE, store: Path
     _ensure_dir(site_file.parent, 0o755, made)
     _ensure_dir(policy.parent, 0o755, made)
     _ensure_dir(store, 0o755, made)
-    site = Site(site_file=site_file, store=store, policy=policy)
+    site = Site(site_file=site_file, store=store, policy=policy, broker=broker)
     _ensure_dir(site.leases, 0o755, made)
     _ensure_dir(site.queue, 0o1777, made)  # sticky; listable: every waiter must see the whole queue
     _ensure_dir(site.holders, 0o1733, made)
+    if broker is not None:
+        _ensure_dir(broker.parent, 0o755, made)  # the socket (0666) is made by the broker when it starts
+    lease_mode = 0o600 if broker is not None else 0o644
 
     done = []
     for uuid in dict.fromkeys(uuids):
@@ -190,12 +225,12 @@ def admin_init(uuids: Iterable[str], *, site_file: Path = SITE_FILE, store: Path
         path = site.lease_path(uuid)
         if path.is_symlink():
             path.unlink()
-        fd = os.open(path, os.O_CREAT | os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        fd = os.open(path, os.O_CREAT | os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, lease_mode)
         try:
             st = os.fstat(fd)
-            if st.st_uid != 0 or stat.S_IMODE(st.st_mode) != 0o644:
+            if st.st_uid != 0 or stat.S_IMODE(st.st_mode) != lease_mode:
                 os.fchown(fd, 0, 0)
-                os.fchmod(fd, 0o644)
+                os.fchmod(fd, lease_mode)
         finally:
             os.close(fd)
         done.append(uuid)
@@ -205,7 +240,7 @@ def admin_init(uuids: Iterable[str], *, site_file: Path = SITE_FILE, store: Path
                           "# max_workers_per_gpu = 32\n", encoding="utf-8")
         os.chmod(policy, 0o644)
         made.append(str(policy))
-    text = f'store = "{store}"\npolicy = "{policy}"\n'
+    text = f'store = "{store}"\npolicy = "{policy}"\n' + (f'broker = "{broker}"\n' if broker is not None else "")
     if not site_file.exists() or site_file.read_text(encoding="utf-8") != text:
         tmp = site_file.with_name(f".{site_file.name}.{os.getpid()}")
         tmp.write_text(text, encoding="utf-8")

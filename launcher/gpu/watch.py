@@ -54,12 +54,12 @@ def run_lease(run_id: str, uuids: Collection[str], *, lease_dir: Any = None,
     """The parts of ``run_id``'s lease on ``uuids``: this launcher (the process backend's parts are its
     children), the kernel's holders of those leases (the master, once it took them over) and the containers
     labelled with the run."""
-    from launcher.gpu import holders, reservations
+    from launcher.gpu import holders, leaseholders
 
     containers = holders.container_holders()[0] if check_containers else []
     pids = {os.getpid()}
     mates = {c.container_id for c in containers if c.run_id == run_id}
-    for h in reservations.list_holders(lease_dir):
+    for h in leaseholders.list_holders(lease_dir):
         if h.uuid in uuids:
             if h.pid:
                 pids.add(h.pid)

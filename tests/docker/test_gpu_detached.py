@@ -26,9 +26,10 @@ from typing import Any
 import pytest
 
 from launcher.backends.containers import secret_path
-from launcher.gpu import holders, planner, reservations, store
+from launcher.gpu import holders, leaseholders, planner, store
 from launcher.gpu.holders import ContainerHolder
-from launcher.gpu.reservations import Holder, LeaseDir, list_holders
+from launcher.gpu.leaseholders import Holder, list_holders
+from launcher.gpu.reservations import LeaseDir
 from tests.helpers import ROOT, child_env, launcher_cmd
 from tests.nvml_fixtures import build_stub, machine, stub_uuid
 from tests.testbed import daemon
@@ -153,7 +154,7 @@ def test_a_lease_held_by_a_master_container_is_named_by_the_containers_run(monke
     """The master writes no holder note, so /proc/locks gives no run id: the container's label names the run
     in the exit-5 message (the end-to-end test below sees the same with a real engine)."""
     cid = "c" * 64
-    monkeypatch.setattr(reservations, "list_holders",
+    monkeypatch.setattr(leaseholders, "list_holders",
                         lambda _dir=None: [Holder(UUIDS[0], pid=4242, user="10001", uid=10001, container_id=cid)])
     monkeypatch.setattr(holders, "container_holders", lambda: (
         [ContainerHolder(cid, "launcher-r1-master", "r1", "master"),

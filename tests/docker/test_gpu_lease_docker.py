@@ -17,7 +17,8 @@ import pytest
 
 from launcher.errors import NoResources
 from launcher.gpu import handover
-from launcher.gpu.reservations import LeaseDir, list_holders, reserve
+from launcher.gpu.leaseholders import list_holders
+from launcher.gpu.reservations import LeaseDir, reserve
 from tests.host_guard import skip_beside_an_admin_store
 from tests.nvml_fixtures import stub_uuid
 

@@ -148,7 +148,7 @@ def test_two_launches_with_the_same_run_id_fail_safe(nvml_stub: NvmlStub, tmp_pa
     """Run ids carry 16 random bits per second: two launches in the same second collide with odds of
     1 in 65,536. Then the second must stop with exit 2 and a clear message, and keep no GPU."""
     from launcher import up
-    from launcher.gpu import reservations
+    from launcher.gpu import leaseholders
     from launcher.config import RunConfig
     from launcher.errors import BadInput
 
@@ -158,11 +158,11 @@ def test_two_launches_with_the_same_run_id_fail_safe(nvml_stub: NvmlStub, tmp_pa
                     lock_dir=nvml_stub.lock_dir)
     with ExitStack() as first:
         run = up.prepare(cfg, first).run
-        held = {h.uuid for h in reservations.list_holders(nvml_stub.lock_dir)}
+        held = {h.uuid for h in leaseholders.list_holders(nvml_stub.lock_dir)}
         assert held == set(run.plan.gpu_uuids) and held
         with ExitStack() as second:
             with pytest.raises(BadInput) as err:
                 up.prepare(cfg, second)
         assert "already exists" in err.value.message
-        assert {h.uuid for h in reservations.list_holders(nvml_stub.lock_dir)} == held, "the loser kept a GPU"
-    wait_for(lambda: not reservations.list_holders(nvml_stub.lock_dir), 5, "the locks to be released")
+        assert {h.uuid for h in leaseholders.list_holders(nvml_stub.lock_dir)} == held, "the loser kept a GPU"
+    wait_for(lambda: not leaseholders.list_holders(nvml_stub.lock_dir), 5, "the locks to be released")

@@ -15,7 +15,8 @@ from launcher.errors import BadInput, NoResources
 from launcher.gpu import queue, store
 from launcher.gpu.holders import exclusive_holders, parse_proc_locks, proc_info
 from launcher.gpu.policy import SitePolicy, narrow
-from launcher.gpu.reservations import LeaseDir, lease_dir, list_holders, reserve
+from launcher.gpu.leaseholders import list_holders
+from launcher.gpu.reservations import LeaseDir, lease_dir, reserve
 
 REPO = Path(__file__).resolve().parents[3]
 PROC_LOCKS = """\

@@ -26,7 +26,7 @@ import jsonschema
 import pytest
 
 from launcher import schemas
-from launcher.gpu import reservations, store
+from launcher.gpu import leaseholders, reservations, store
 from launcher.gpu.queue import read_queue
 from tests.host_guard import unix_user_name
 from tests.nvml_fixtures import build_stub, machine, stub_uuid
@@ -87,7 +87,7 @@ class Machine:
 
     def held(self) -> dict[str, tuple[int | None, int | None]]:
         """UUID -> (pid, uid) holding its lease, from /proc/locks."""
-        return {h.uuid: (h.pid, h.uid) for h in reservations.list_holders(self.lease_dir)}
+        return {h.uuid: (h.pid, h.uid) for h in leaseholders.list_holders(self.lease_dir)}
 
 
 @pytest.fixture(scope="module")
@@ -261,7 +261,7 @@ def test_attacks_from_the_other_user_fail_and_take_no_gpu(box: Machine) -> None:
                   f"{box.site.holders}/{spare}@{a.pid}.json; "
                   f"rm -f {box.site.holders}/{UUIDS[0]}@{a.pid}.json")
         _run_as(box, bob, forged)
-        holders = {h.uuid: h for h in reservations.list_holders(box.lease_dir)}
+        holders = {h.uuid: h for h in leaseholders.list_holders(box.lease_dir)}
         assert set(holders) == {UUIDS[0], mine} and holders[UUIDS[0]].run_id == "alice-run-1"
         assert holders[mine].user == bob.name
         again = b.ask("plan workers=1 gpus=auto")  # bob's second run: his first one counts, by uid

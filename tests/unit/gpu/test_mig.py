@@ -14,7 +14,7 @@ import pytest
 
 from launcher.backends import containers
 from launcher.errors import BadInput, NoResources
-from launcher.gpu import mig, nvml, planner, reservations
+from launcher.gpu import leaseholders, mig, nvml, planner, reservations
 from launcher.gpu.placement import PlanRequest
 from launcher.gpu.request import GpuRequest, parse_gpu_choice
 from launcher.gpu.select import SelectionCriteria, select_gpus, worst_of
@@ -162,7 +162,7 @@ def test_a_run_on_mig_instances_leases_them_and_its_groups_see_only_theirs(nvml_
     try:
         plan = json.loads((run.record_path.parent / "plan.json").read_text())
         assert set(plan["gpu_uuids"]) == {MIG_A, MIG_B}
-        held = {h.uuid: h.pid for h in reservations.list_holders(nvml_stub.lock_dir)}
+        held = {h.uuid: h.pid for h in leaseholders.list_holders(nvml_stub.lock_dir)}
         assert set(held) == {MIG_A, MIG_B} and set(held.values()) == {run.proc.pid}
         shares = {"master": plan["master"], **{f"group-{g['index']}": g["share"] for g in plan["groups"]}}
         for name, pid in run.record["pids"].items():
@@ -178,4 +178,4 @@ def test_a_run_on_mig_instances_leases_them_and_its_groups_see_only_theirs(nvml_
         intruder.kill()
         intruder.wait()
     assert code == 130, run.log.read_text()[-3000:]
-    assert reservations.list_holders(nvml_stub.lock_dir) == []
+    assert leaseholders.list_holders(nvml_stub.lock_dir) == []

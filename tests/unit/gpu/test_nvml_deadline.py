@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from launcher.errors import BadInput, ExitCode, MissingDependency
-from launcher.gpu import nvml, nvml_call, planner, reservations
+from launcher.gpu import leaseholders, nvml, nvml_call, planner
 from launcher.gpu.placement import PlanRequest
 from launcher.gpu.request import GpuRequest, parse_gpu_choice
 from launcher.gpu.nvml_call import NvmlTimeout
@@ -217,4 +217,4 @@ def test_a_hang_after_locking_gives_the_gpus_back(nvml_stub: NvmlStub, monkeypat
                      samples=1, interval_s=0.0)
     with pytest.raises(NvmlTimeout, match="stuck in nvmlDeviceGetUtilizationRates"):
         planner.plan_and_reserve(req, run_id="r", cpu_count=1, check_containers=False)
-    assert reservations.list_holders(nvml_stub.lock_dir) == []
+    assert leaseholders.list_holders(nvml_stub.lock_dir) == []

@@ -11,7 +11,7 @@ import jsonschema
 import pytest
 
 from launcher import schemas
-from launcher.gpu import policy, reservations
+from launcher.gpu import leaseholders, policy, reservations
 from launcher.config import RunConfig
 from launcher.errors import ConfigErrors
 from launcher.gpu.nvml import GpuInfo
@@ -194,4 +194,4 @@ def test_up_plans_within_the_policy(nvml_stub: NvmlStub, tmp_path: Path, monkeyp
     monkeypatch.setenv("LAUNCHER_POLICY", str(write(tmp_path, "max_workers_per_gpu = 1\n")))
     with pytest.raises(PolicyViolation, match="allows 1 per GPU"):
         make_plan(cfg, "run-crowded", cpu_count=4)
-    assert reservations.list_holders(nvml_stub.lock_dir) == []  # the refused plan's GPUs were released
+    assert leaseholders.list_holders(nvml_stub.lock_dir) == []  # the refused plan's GPUs were released

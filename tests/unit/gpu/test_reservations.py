@@ -18,7 +18,8 @@ import pytest
 
 from launcher.gpu import holders, reservations
 from launcher.errors import BadInput, NoResources
-from launcher.gpu.reservations import list_holders, reserve
+from launcher.gpu.leaseholders import list_holders
+from launcher.gpu.reservations import reserve
 
 REPO = Path(__file__).resolve().parents[3]
 UUIDS = [f"GPU-{i:08x}-1111-2222-3333-{i:012x}" for i in range(4)]
