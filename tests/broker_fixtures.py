@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import pwd
 import shutil
 import subprocess
 import tempfile
@@ -21,7 +20,8 @@ from typing import IO, Any
 import pytest
 
 from launcher.gpu import leaseholders, reservations, store
-from tests.host_guard import unix_user_name
+from tests import unix_users
+from tests.unix_users import User
 from tests.nvml_fixtures import build_stub, machine, stub_uuid
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,25 +30,9 @@ UUIDS = [stub_uuid(i) for i in range(4)]
 
 
 def skip_reason() -> str | None:
-    if os.geteuid() != 0:
-        return "needs root (CI runs as root): it creates Unix users, a root-owned lease store and runs the broker"
-    for tool in ("useradd", "userdel", "setpriv", "flock"):
-        if shutil.which(tool) is None:
-            return f"{tool} is not installed"
-    if os.path.realpath(PY).startswith("/root/"):
-        return f"{PY} is not executable by other users; make the venv with scripts/setup.sh"
-    if os.path.lexists(store.SITE_FILE):
-        return f"this machine has a real lease store ({store.SITE_FILE}); $LAUNCHER_SITE would be ignored"
     if not hasattr(os, "pidfd_open"):
         return "os.pidfd_open is missing (Linux 5.3+ and Python 3.9+ needed)"
-    return None
-
-
-@dataclass(frozen=True)
-class User:
-    name: str
-    uid: int
-    gid: int
+    return unix_users.skip_reason(PY, "flock", needs="a root-owned lease store and runs the broker")
 
 
 @dataclass(frozen=True)
@@ -106,11 +90,7 @@ def broker_box() -> Iterator[Box]:
         plain = store.admin_init(UUIDS, site_file=base / "etc-plain" / "site.toml", store=base / "store-plain",
                                  policy=base / "etc-plain" / "policy.toml").site
         for letter in "de":
-            name = unix_user_name(letter)
-            subprocess.run(["useradd", "--no-create-home", "--user-group", "--shell", "/usr/sbin/nologin", name],
-                           check=True, capture_output=True)
-            pw = pwd.getpwnam(name)
-            users.append(User(name, pw.pw_uid, pw.pw_gid))
+            users.append(unix_users.add_user(letter))
         env = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "PYTHONPATH": str(ROOT), "PYTHONDONTWRITEBYTECODE": "1"}
         broker = subprocess.Popen([str(PY), "-m", "launcher", "admin", "broker", "--site", str(site.site_file)],
                                   cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=open(base / "broker.err", "w"),
@@ -123,8 +103,7 @@ def broker_box() -> Iterator[Box]:
         if broker is not None:
             broker.terminate()
             broker.wait(timeout=10)
-        for u in users:
-            subprocess.run(["userdel", u.name], capture_output=True)
+        unix_users.remove_users([u.name for u in users])
         shutil.rmtree(base, ignore_errors=True)
 
 

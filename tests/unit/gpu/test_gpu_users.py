@@ -28,7 +28,8 @@ import pytest
 from launcher import schemas
 from launcher.gpu import leaseholders, reservations, store
 from launcher.gpu.queue import read_queue
-from tests.host_guard import unix_user_name
+from tests import unix_users
+from tests.unix_users import User
 from tests.nvml_fixtures import build_stub, machine, stub_uuid
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -38,28 +39,10 @@ FIGURES: dict[str, Any] = {}
 
 
 def _skip_reason() -> str | None:
-    if os.geteuid() != 0:
-        return "needs root (CI runs as root): it creates Unix users and a root-owned lease store"
-    for tool in ("useradd", "userdel", "setpriv"):
-        if shutil.which(tool) is None:
-            return f"{tool} is not installed"
-    real = os.path.realpath(PY)
-    if real.startswith("/root/"):
-        return (f"{PY} resolves to {real}, which other users cannot execute; make the venv from /usr/bin/python3.11 "
-                "(scripts/setup.sh does)")
-    if os.path.lexists(store.SITE_FILE):
-        return f"this machine has a real lease store ({store.SITE_FILE}); $LAUNCHER_SITE would be ignored"
-    return None
+    return unix_users.skip_reason(PY)
 
 
 pytestmark = pytest.mark.skipif(_skip_reason() is not None, reason=str(_skip_reason()))
-
-
-@dataclass(frozen=True)
-class User:
-    name: str
-    uid: int
-    gid: int
 
 
 @dataclass(frozen=True)
@@ -103,17 +86,10 @@ def box() -> Iterator[Machine]:
         report = store.admin_init(UUIDS, site_file=base / "etc" / "site.toml", store=base / "store",
                                   policy=base / "etc" / "policy.toml")
         for letter in "abc":
-            name = unix_user_name(letter)
-            subprocess.run(["useradd", "--no-create-home", "--user-group", "--shell", "/usr/sbin/nologin", name],
-                           check=True, capture_output=True)
-            import pwd
-
-            pw = pwd.getpwnam(name)
-            users.append(User(name, pw.pw_uid, pw.pw_gid))
+            users.append(unix_users.add_user(letter))
         yield Machine(base, report.site, stub_dir, stub_config, tuple(users))
     finally:
-        for u in users:
-            subprocess.run(["userdel", u.name], capture_output=True)
+        unix_users.remove_users([u.name for u in users])
         shutil.rmtree(base, ignore_errors=True)
 
 

@@ -26,6 +26,7 @@ from typing import Any
 import pytest
 
 from launcher.gpu import store
+from tests import unix_users
 from tests.host_guard import unix_user_name
 from tests.nvml_fixtures import build_stub, machine, stub_uuid
 
@@ -37,16 +38,7 @@ FIGURES: dict[str, float] = {}
 
 
 def _skip_reason() -> str | None:
-    if os.geteuid() != 0:
-        return "needs root (CI runs as root): it creates Unix users and a root-owned lease store"
-    for tool in ("useradd", "userdel", "setpriv", "mkfifo", "truncate"):
-        if shutil.which(tool) is None:
-            return f"{tool} is not installed"
-    if os.path.realpath(PY).startswith("/root/"):
-        return f"{PY} is not executable by other users; make the venv with scripts/setup.sh"
-    if os.path.lexists(store.SITE_FILE):
-        return f"this machine has a real lease store ({store.SITE_FILE}); $LAUNCHER_SITE would be ignored"
-    return None
+    return unix_users.skip_reason(PY, "mkfifo", "truncate")
 
 
 pytestmark = pytest.mark.skipif(_skip_reason() is not None, reason=str(_skip_reason()))
@@ -82,10 +74,7 @@ class Box:
 
 
 def _user(letter: str) -> int:
-    name = unix_user_name(letter)
-    subprocess.run(["useradd", "--no-create-home", "--user-group", "--shell", "/usr/sbin/nologin", name],
-                   check=True, capture_output=True)
-    return pwd.getpwnam(name).pw_uid
+    return unix_users.add_user(letter).uid
 
 
 @pytest.fixture(scope="module")
@@ -132,8 +121,7 @@ def box() -> Iterator[Box]:
         for p in procs:
             p.kill()
             p.wait()
-        for name in made:
-            subprocess.run(["userdel", name], capture_output=True)
+        unix_users.remove_users(made)
         shutil.rmtree(base, ignore_errors=True)
 
 
