@@ -38,6 +38,14 @@ def save(name: str, data: dict[str, Any], command: str) -> None:
     (RESULTS / f"{name}.json").write_text(json.dumps(data, indent=2, default=str) + "\n")
 
 
+def _load_result(name: str) -> dict[str, Any] | None:
+    try:
+        data: dict[str, Any] = json.loads((RESULTS / f"{name}.json").read_text())
+        return data
+    except (OSError, ValueError):
+        return None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench")
     parser.add_argument("which", nargs="*", default=["all"],
@@ -102,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         from bench import peers
 
         data = peers.peers(args.tasks.split(","), args.peers.split(","), list(range(args.seeds)))
+        data = peers.merged(_load_result("peers"), data, {"meta": _meta(), "command": cmd})
         save("peers", data, cmd)
         for t in data["tasks"].values():
             _print(f"{t['env_id']} to {t['target']:g}", t["table"], ("contender", "solved", "median_wall_s",

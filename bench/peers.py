@@ -157,6 +157,7 @@ PEERS = {
     "rllib": Peer("rllib", ("torch==2.5.1", "ray[rllib]==2.40.0", "gymnasium==1.0.0", "mujoco>=3.1,<3.3"),
                   RLLIB_DRIVER),
 }
+PEER_PACKAGES = {name: list(p.packages) for name, p in PEERS.items()}
 PEER_LABELS = {"sb3": "Stable-Baselines3 PPO (rl-zoo settings)", "rllib": "RLlib PPO"}
 
 
@@ -212,21 +213,37 @@ def peers(tasks: list[str], peer_names: list[str], seeds: list[int]) -> dict[str
     return out
 
 
+def merged(before: dict[str, Any] | None, now: dict[str, Any], measured: dict[str, Any]) -> dict[str, Any]:
+    """``now``'s tasks over those of an earlier run (``before``), so a run of some tasks keeps the others' results;
+    every task keeps the record of when, where and how it was measured (``measured``: meta and command)."""
+    b = before or {}
+    earlier = {"meta": b.get("meta", {}), "command": b.get("command"), "seeds": b.get("seeds"), "peers": b.get("peers")}
+    tasks: dict[str, Any] = {name: {**t, "measured": t.get("measured") or earlier}
+                             for name, t in (b.get("tasks") or {}).items()}
+    for name, t in now["tasks"].items():
+        tasks[name] = {**t, "measured": {**measured, "seeds": now["seeds"], "peers": now["peers"]}}
+    zoo = {**(b.get("zoo_ppo") or {}), **now["zoo_ppo"]}
+    return {**now, "tasks": tasks, "zoo_ppo": zoo}
+
+
 def report(d: dict[str, Any] | None) -> list[str]:
     """Section 10 of docs/benchmarks.md."""
     out = ["## 10. Side by side with the peers users would pick instead", ""]
     if not d:
         return out + ["Not measured yet: `python -m bench peers` (optional; makes venvs of several GB).", ""]
-    out += [f"Command: `{d['command']}` (section `peers`; measured {d['meta'].get('date', '?')}, commit "
-            f"`{d['meta'].get('commit', '?')}`, seeds {d['seeds']}, interleaved: per seed ours, then each peer). "
+    out += ["Command: `python -m bench peers --tasks T --peers P` (section `peers`; each task below names its own run: "
+            "the command, date, commit, machine and seeds; interleaved: per seed ours, then each peer). "
             "Wall seconds from the process's start to the mean return of the last 100 episodes reaching the target, "
             "imports and start-up included, medians over the seeds that solved; *ratio* is the contender's median over "
             "ours (above 1: ours is faster). Peers' venvs: " +
-            "; ".join(f"{k}: {', '.join(v)}" for k, v in d["peers"].items()) + ". Stable-Baselines3 runs the "
+            "; ".join(f"{k}: {', '.join(v)}" for k, v in PEER_PACKAGES.items()) + ". Stable-Baselines3 runs the "
             "rl-baselines3-zoo PPO settings of each task (listed in `bench/peers.py` and the results file), with the "
             "zoo's step budget.", ""]
     for t in d["tasks"].values():
-        out += [f"**{t['env_id']}**, target {t['target']:g}:", "",
+        m = t.get("measured") or {"meta": d.get("meta", {}), "command": d.get("command"), "seeds": d.get("seeds")}
+        meta = m.get("meta") or {}
+        out += [f"**{t['env_id']}**, target {t['target']:g} (`{m.get('command')}`; {meta.get('date', '?')}, commit "
+                f"`{meta.get('commit', '?')}`, {meta.get('cpu', '?')}; seeds {m.get('seeds')}):", "",
                 "| contender | solved | median wall s | median env steps | ratio vs ours | runs (s) |",
                 "|---|---|---|---|---|---|"]
         for r in t["table"]:
