@@ -221,7 +221,20 @@ def merged(before: dict[str, Any] | None, now: dict[str, Any], measured: dict[st
     tasks: dict[str, Any] = {name: {**t, "measured": t.get("measured") or earlier}
                              for name, t in (b.get("tasks") or {}).items()}
     for name, t in now["tasks"].items():
-        tasks[name] = {**t, "measured": {**measured, "seeds": now["seeds"], "peers": now["peers"]}}
+        record = {**measured, "seeds": now["seeds"], "peers": now["peers"]}
+        old = tasks.get(name)
+        new_peers = {r["contender"] for r in t["table"][1:]}
+        if old is None or new_peers >= {r["contender"] for r in old["table"]} - {r["contender"] for r in t["table"][:1]}:
+            tasks[name] = {**t, "measured": record}  # this run measured everything the earlier one had
+            continue
+        # Other peers than before: keep the earlier rows and add this run's, ours named as a second run beside them
+        # (each peer's ratio is against the run of ours it was interleaved with).
+        kept = [r for r in old["table"] if r["contender"] not in new_peers]
+        ours = {**t["table"][0], "contender": f"{t['table'][0]['contender']} (second run, beside "
+                f"{', '.join(sorted(new_peers))})"}
+        earlier = old["measured"]
+        tasks[name] = {**t, "table": kept + [ours] + t["table"][1:],
+                       "measured": {**record, "command": f"{earlier.get('command')}; then {measured.get('command')}"}}
     zoo = {**(b.get("zoo_ppo") or {}), **now["zoo_ppo"]}
     return {**now, "tasks": tasks, "zoo_ppo": zoo}
 
