@@ -136,13 +136,17 @@ class Peer:
         return PEERS_DIR / self.name / "bin" / "python"
 
     def ensure(self) -> None:
-        """Make the peer's venv once (minutes; several GB)."""
-        if self.python.exists():
+        """Make the peer's venv once (minutes; several GB). A venv whose install did not finish (no stamp) is
+        installed into again, so an interrupted first run does not leave a peer without its packages."""
+        stamp = PEERS_DIR / self.name / ".bench-installed"
+        if stamp.exists() and stamp.read_text() == "\n".join(self.packages):
             return
         print(f"making the {self.name} venv under {PEERS_DIR} (PyTorch from PyPI: several GB)", file=sys.stderr)
-        subprocess.run(["/usr/bin/python3.11" if Path("/usr/bin/python3.11").exists() else sys.executable, "-m",
-                        "venv", str(PEERS_DIR / self.name)], check=True)
+        if not self.python.exists():
+            subprocess.run(["/usr/bin/python3.11" if Path("/usr/bin/python3.11").exists() else sys.executable, "-m",
+                            "venv", str(PEERS_DIR / self.name)], check=True)
         subprocess.run([str(self.python), "-m", "pip", "install", "-q", *self.packages], check=True)
+        stamp.write_text("\n".join(self.packages))
 
     def job(self, task: Task, seed: int) -> dict[str, Any]:
         """What the driver runs: SB3 has the zoo's settings and budget; RLlib its own settings and ours."""
@@ -229,9 +233,9 @@ def merged(before: dict[str, Any] | None, now: dict[str, Any], measured: dict[st
             continue
         # Other peers than before: keep the earlier rows and add this run's, ours named as a second run beside them
         # (each peer's ratio is against the run of ours it was interleaved with).
-        kept = [r for r in old["table"] if r["contender"] not in new_peers]
         ours = {**t["table"][0], "contender": f"{t['table'][0]['contender']} (second run, beside "
                 f"{', '.join(sorted(new_peers))})"}
+        kept = [r for r in old["table"] if r["contender"] not in new_peers | {ours["contender"]}]
         earlier = old["measured"]
         tasks[name] = {**t, "table": kept + [ours] + t["table"][1:],
                        "measured": {**record, "command": f"{earlier.get('command')}; then {measured.get('command')}"}}
