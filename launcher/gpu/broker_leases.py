@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from launcher.gpu.broker_wire import LeaseRequest, Refusal
+from launcher.gpu.reservations import LOCK_SCHEMA
 
-NOTE_SCHEMA = "launcher.lock/v1"
 INIT_HINT = "ask the administrator to run `launcher admin init --broker ...` again"
 
 Locker = Callable[[str], "int | None"]  # uuid -> a descriptor holding its lease file's lock; None: held already
@@ -46,7 +46,7 @@ class Lease:
     def note_record(self, host: str) -> dict[str, Any]:
         """The broker's holder note: ``launcher gpus`` reads who the lease is for from it."""
         pids = list(self.pids)
-        return {"schema": NOTE_SCHEMA, "run_id": self.run_id, "uid": self.uid, "user": self.user, "pids": pids,
+        return {"schema": LOCK_SCHEMA, "run_id": self.run_id, "uid": self.uid, "user": self.user, "pids": pids,
                 "pid": pids[-1] if pids else None, "since": self.since, "host": host, "broker": True}
 
 

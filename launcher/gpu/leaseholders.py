@@ -37,19 +37,26 @@ class Holder:
         return f"launcher run {self.run_id or '?'}" + (f" ({details})" if details else "")
 
 
+def _labelled(uuid: str, label: dict[str, Any], pid: int | None, uid: int | None, user: str | None,
+              info: ProcInfo) -> Holder:
+    """A :class:`Holder` from who holds the lease (``pid``, ``uid``, ``user``, ``info`` of that pid) and the labels
+    of its note (run id, host, since: each taken only when of the right type)."""
+    run_id, host, since = label.get("run_id"), label.get("host"), label.get("since")
+    return Holder(uuid=uuid, run_id=run_id if isinstance(run_id, str) else None, pid=pid, user=user,
+                  host=host if isinstance(host, str) else None,
+                  since=float(since) if isinstance(since, (int, float)) else info.started_at, uid=uid,
+                  container_id=info.container_id)
+
+
 def _broker_holder(uuid: str, label: dict[str, Any]) -> Holder:
     """A lease the broker holds (the kernel names the broker, root): who it is for is the broker's note, which
     root wrote. The pid shown is the newest process tied to it (the run's master once the run started)."""
     pids = [p for p in label.get("pids") or [] if isinstance(p, int) and not isinstance(p, bool) and p > 0]
     pid = pids[-1] if pids else None
     info = proc_info(pid) if pid else ProcInfo(None, None, None, None, None)
-    uid, user, since = label.get("uid"), label.get("user"), label.get("since")
-    return Holder(uuid=uuid, run_id=label.get("run_id") if isinstance(label.get("run_id"), str) else None, pid=pid,
-                  user=user if isinstance(user, str) else None,
-                  host=label.get("host") if isinstance(label.get("host"), str) else None,
-                  since=float(since) if isinstance(since, (int, float)) else info.started_at,
-                  uid=uid if isinstance(uid, int) and not isinstance(uid, bool) else None,
-                  container_id=info.container_id)
+    uid, user = label.get("uid"), label.get("user")
+    return _labelled(uuid, label, pid, uid if isinstance(uid, int) and not isinstance(uid, bool) else None,
+                     user if isinstance(user, str) else None, info)
 
 
 def list_holders(lock_dir: str | Path | LeaseDir | None = None) -> list[Holder]:
@@ -82,11 +89,5 @@ def list_holders(lock_dir: str | Path | LeaseDir | None = None) -> list[Holder]:
         if note is not None and info.uid == 0 and label.get("broker") is True:  # root's note: the broker's
             holders.append(_broker_holder(uuid, label))
             continue
-        since = label.get("since")
-        holders.append(Holder(
-            uuid=uuid, run_id=label.get("run_id") if isinstance(label.get("run_id"), str) else None,
-            pid=pid if pid > 0 else None, user=info.user,
-            host=label.get("host") if isinstance(label.get("host"), str) else None,
-            since=float(since) if isinstance(since, (int, float)) else info.started_at,
-            uid=info.uid, container_id=info.container_id))
+        holders.append(_labelled(uuid, label, pid if pid > 0 else None, info.uid, info.user, info))
     return holders

@@ -149,15 +149,12 @@ def find_site(environ: dict[str, str] | None = None) -> Site | None:
             return None  # an override anyone could have made: not a site; the one-line note says so
     else:
         return None
-    _root_only(path, "site file")
-    site = _read_site_file(path)
-    _root_only(site.leases, "lease store")
-    return site
+    return site_from_file(path)
 
 
 def site_from_file(path: Path) -> Site:
-    """A site file named on the command line (``launcher admin broker --site``), trusted only as
-    :func:`find_site` trusts ``/etc/launcher/site.toml``: it and its store must be root's, writable by root only.
+    """A site file (the one :func:`find_site` found, or one named on the command line: ``launcher admin broker
+    --site``), trusted only when it and its store are root's and writable by root only.
 
     Raises:
         InsecureSite, BadInput: as :func:`find_site`.
