@@ -224,8 +224,8 @@ def merged(before: dict[str, Any] | None, now: dict[str, Any], measured: dict[st
     earlier = {"meta": b.get("meta", {}), "command": b.get("command"), "seeds": b.get("seeds"), "peers": b.get("peers")}
     tasks: dict[str, Any] = {name: {**t, "measured": t.get("measured") or earlier}
                              for name, t in (b.get("tasks") or {}).items()}
+    record = {**measured, "seeds": now["seeds"], "peers": now["peers"]}
     for name, t in now["tasks"].items():
-        record = {**measured, "seeds": now["seeds"], "peers": now["peers"]}
         old = tasks.get(name)
         new_peers = {r["contender"] for r in t["table"][1:]}
         if old is None or new_peers >= {r["contender"] for r in old["table"]} - {r["contender"] for r in t["table"][:1]}:
@@ -236,9 +236,10 @@ def merged(before: dict[str, Any] | None, now: dict[str, Any], measured: dict[st
         ours = {**t["table"][0], "contender": f"{t['table'][0]['contender']} (second run, beside "
                 f"{', '.join(sorted(new_peers))})"}
         kept = [r for r in old["table"] if r["contender"] not in new_peers | {ours["contender"]}]
-        earlier = old["measured"]
+        first = old["measured"]
         tasks[name] = {**t, "table": kept + [ours] + t["table"][1:],
-                       "measured": {**record, "command": f"{earlier.get('command')}; then {measured.get('command')}"}}
+                       "measured": {**record, "command": f"{first.get('command')}; then {measured.get('command')}",
+                                    "peers": {**(first.get("peers") or {}), **now["peers"]}}}
     zoo = {**(b.get("zoo_ppo") or {}), **now["zoo_ppo"]}
     return {**now, "tasks": tasks, "zoo_ppo": zoo}
 
