@@ -31,8 +31,8 @@ from pathlib import Path
 from typing import Any
 
 from tests.fault.helpers import FULL, record, rng
-from tests.fault.test_hostile import _connect, _free_port, _header, _raw_frame, _rss_kib
-from tests.helpers import ROOT, SECRET, child_env, status_of, wait_for
+from tests.fault.test_hostile import _connect, _header, _raw_frame, _rss_kib
+from tests.helpers import ROOT, SECRET, child_env, free_port, status_of, wait_for
 from worker import protocol as p
 from worker.protocol import Connection, MsgType
 from worker.protocol.handshake import _identity, _mac
@@ -222,7 +222,7 @@ def test_a_run_attacked_from_localhost_finishes_its_job(tmp_path: Path) -> None:
     results = tmp_path / "attacked-run"
     results.mkdir()
     spec = RunSpec(run_id="attacked-run", env_id="CartPole-v1", algo="ppo", seed=11, max_steps=3_000_000,
-                   until_return=475.0, master_port=_free_port(), results_dir=str(results), checkpoint_every=50,
+                   until_return=475.0, master_port=free_port(), results_dir=str(results), checkpoint_every=50,
                    groups=(*REAL_GROUPS, GroupAssignment(ATTACKER_GROUP, 1)), handshake_timeout_s=2.0,
                    heartbeat_timeout_s=10.0, max_frame_bytes=1 << 20, max_connections=MAX_CONNECTIONS)
     spec_path = results / "spec.json"

@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 from tests.fault.helpers import count, record, rng
-from tests.helpers import ROOT, SECRET, child_env, status_of, wait_for
+from tests.helpers import ROOT, SECRET, child_env, free_port, status_of, wait_for
 from worker import protocol as p
 from worker.protocol import Connection, MsgType
 from worker.contract import GroupAssignment, RunSpec
@@ -35,13 +35,6 @@ from worker.contract import GroupAssignment, RunSpec
 HANDSHAKE_TIMEOUT_S = 2.0
 HEARTBEAT_TIMEOUT_S = 6.0
 MAX_CONNECTIONS = 48
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def _rss_kib(pid: int) -> int:
@@ -83,7 +76,7 @@ class Live:
 def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
     results = tmp_path_factory.mktemp("hostile-run")
     spec = RunSpec(run_id="hostile-run", env_id="CartPole-v1", algo="ppo", seed=5, max_steps=100_000_000,
-                   master_port=_free_port(), results_dir=str(results), checkpoint_every=100_000,
+                   master_port=free_port(), results_dir=str(results), checkpoint_every=100_000,
                    groups=(GroupAssignment(0, 4), GroupAssignment(1, 1)), handshake_timeout_s=HANDSHAKE_TIMEOUT_S,
                    heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S, max_frame_bytes=1 << 20, max_connections=MAX_CONNECTIONS,
                    hparams={"update_wait_s": 1.0})

@@ -9,24 +9,17 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import subprocess
 from pathlib import Path
 from typing import Any
 
 from launcher.backends.specs import GPU_VARS, THREAD_VARS
 from launcher.cli.plan import PREVIEW_RUN_ID
-from tests.helpers import ROOT, child_env, launcher_cmd, read_json, run_launcher, wait_for
+from tests.helpers import ROOT, child_env, free_port, launcher_cmd, read_json, run_launcher, wait_for
 
 # What a GPU image or a user's shell may have set in the launcher's own environment: the plan says what the
 # processes get instead (a CPU run must not inherit "all" GPUs).
 LAUNCHER_ENV = {"NVIDIA_VISIBLE_DEVICES": "all", "OMP_NUM_THREADS": "7"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def proc_argv(pid: int) -> list[str]:

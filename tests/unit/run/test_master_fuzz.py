@@ -20,19 +20,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.helpers import ROOT, SECRET, child_env, status_of, wait_for
+from tests.helpers import ROOT, SECRET, child_env, free_port, status_of, wait_for
 from worker import protocol as p
 from worker.protocol import Connection, MsgType
 from worker.contract import GroupAssignment, RunSpec
 
 FRAMES = int(os.environ.get("FUZZ_FRAMES", "600"))
 SECONDS = float(os.environ.get("FUZZ_SECONDS", "60"))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def rss_kib(pid: int) -> int:

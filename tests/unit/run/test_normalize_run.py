@@ -18,7 +18,7 @@ import pytest
 
 from launcher.evaluate import evaluate, load_weights
 from launcher.runs import RunDir
-from tests.helpers import ROOT, SECRET, child_env, only_run, read_json, run_launcher, status_of, wait_for
+from tests.helpers import ROOT, SECRET, child_env, free_port, only_run, read_json, run_launcher, status_of, wait_for
 from worker.contract import GroupAssignment, RunSpec
 from worker.numpy_model import NumpyModel, Program
 
@@ -138,9 +138,7 @@ def test_a_live_master_refuses_bad_statistics_from_a_peer(tmp_path: Path) -> Non
     from worker.normalize import Moments, moments_arrays
     from worker.protocol import Connection, MsgType
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     spec = RunSpec(run_id="norm-run", env_id="Pendulum-v1", algo="ppo", seed=3, max_steps=10_000_000,
                    master_port=port, results_dir=str(tmp_path), checkpoint_every=1000,
                    groups=(GroupAssignment(0, 2), GroupAssignment(1, 1)), handshake_timeout_s=5.0,
