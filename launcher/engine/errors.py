@@ -51,9 +51,9 @@ def _connection_error(exc: BaseException) -> bool:
         from urllib3.exceptions import HTTPError as Urllib3Error
     except ImportError:
         return isinstance(exc, OSError)
-    from docker.errors import APIError
+    from docker.errors import APIError, ContainerError
 
-    if isinstance(exc, APIError):
+    if isinstance(exc, (APIError, ContainerError)):  # the engine answered
         return False
     return isinstance(exc, (DockerException, RequestsConnectionError, Urllib3Error, OSError))
 
@@ -63,12 +63,17 @@ def engine_error(exc: BaseException, doing: str, *, hint: str | None = None) -> 
 
     * no engine, or the connection to it broke: :class:`MissingDependency`, naming DOCKER_HOST;
     * an image the engine does not have: :class:`MissingDependency` (``launcher build`` makes it);
+    * a container run to its end that exited non-zero: :class:`LauncherError` with its status and last stderr;
     * anything else the engine refused: :class:`LauncherError` with the engine's explanation.
     """
-    from docker.errors import APIError, ImageNotFound
+    from docker.errors import APIError, ContainerError, ImageNotFound
 
     if isinstance(exc, LauncherError):
         return exc
+    if isinstance(exc, ContainerError):
+        err = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else str(exc.stderr or "")
+        last = err.strip().splitlines()[-1][:300] if err.strip() else "no stderr"
+        return LauncherError(f"cannot {doing}: the container exited with status {exc.exit_status}: {last}", hint=hint)
     if isinstance(exc, ImageNotFound):
         return MissingDependency(f"cannot {doing}: the image is not on this engine ({exc.explanation or exc})",
                                  hint=hint or "`launcher build` makes it; or pass --image")

@@ -154,6 +154,22 @@ def test_the_helper_container_is_hardened(launcher_image: str, engine: Engine, t
 
 
 @pytest.mark.docker
+def test_a_helper_that_fails_is_reported_as_its_exit_not_as_a_missing_engine(launcher_image: str, engine: Engine,
+                                                                             caplog: pytest.LogCaptureFixture) -> None:
+    """A helper container that exits non-zero is the engine answering: the warning gives its status and its last
+    stderr line. (The SDK's ContainerError is a DockerException; it was read as "no Docker engine answers".)"""
+    rid = f"test-helper-{os.urandom(3).hex()}"
+    code = "import sys; print('first', file=sys.stderr); print('the-last-words', file=sys.stderr); sys.exit(3)"
+    with caplog.at_level("WARNING"):
+        ok = engine.run_once(launcher_image, ["python", "-c", code], user="10001:10001",
+                             labels={dc.RUN_LABEL: rid, dc.ROLE_LABEL: "copy"}, mounts=[])
+    assert not ok
+    assert "exited with status 3: the-last-words" in caplog.text, caplog.text
+    assert "no Docker engine answers" not in caplog.text
+    assert engine.containers({dc.RUN_LABEL: rid}) == []
+
+
+@pytest.mark.docker
 @pytest.mark.testbed
 def test_a_swarm_task_runs_with_the_limits_and_hardening(bed_factory: Any, pause_image: str,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
