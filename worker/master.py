@@ -232,21 +232,20 @@ class Master(Starting):
                 scalars = self.learner.update(taken.payloads)
                 self._phase = "running"
                 self.tally.losses = numeric(scalars)
-                self._after_update()
+                self.tally.updated()
+                self.weights_frame()  # checks the new weights are finite before anything sends or saves them
             for link in taken.links:
                 self.reply(link)
+            # After the replies, so the groups play on with the new weights while it is written (~8 ms for
+            # CartPole's model on this CPU) instead of waiting for it (docs/benchmarks.md, issue 28 section).
+            if taken.payloads and self.tally.c.updates % self.checkpoint_every == 0:
+                self._checkpoint()
             if sched.barrier:
                 break  # one round per pass: new payloads are drained first
 
     def _progress(self) -> float:
         """How far the run is toward --max-steps (0 without a limit): the learning-rate schedule's clock."""
         return min(1.0, self.tally.c.env_steps / self.spec.max_steps) if self.spec.max_steps else 0.0
-
-    def _after_update(self) -> None:
-        self.tally.updated()
-        self.weights_frame()  # checks the new weights are finite before anything saves them
-        if self.tally.c.updates % self.checkpoint_every == 0:
-            self._checkpoint()
 
     def reply(self, link: GroupLink) -> None:
         """Answer a group: the current weights, or "unchanged" when it already has this version."""

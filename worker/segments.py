@@ -158,6 +158,10 @@ class EpisodeCounter:
     wrapper around the group's vector env (``ctx.envs``). Reset steps of ``NEXT_STEP`` envs count as nothing.
 
     Every attribute the wrapper does not define goes to the wrapped env (``num_envs``, the spaces, ...).
+
+    A collector of the launcher's own that keeps the same count as it steps (the built-in actors'
+    :class:`worker.algorithms.rollout.Collector`) takes the wrapped env with :meth:`counted_elsewhere`, steps it
+    directly and hands its counts over with :meth:`add`: the count is made once per step instead of twice.
     """
 
     def __init__(self, envs: Any) -> None:
@@ -167,9 +171,23 @@ class EpisodeCounter:
         self._ret = np.zeros(k, np.float64)
         self._len = np.zeros(k, np.int64)
         self._resetting = np.zeros(k, dtype=bool)
+        self._elsewhere = False
         self.steps = 0
         self.returns: list[float] = []
         self.lengths: list[int] = []
+
+    def counted_elsewhere(self) -> Any:
+        """The wrapped env, for a collector that counts steps and episodes as this wrapper would and reports
+        them with :meth:`add`. From then on, stepping through this wrapper is an error (the two counts would
+        mix)."""
+        self._elsewhere = True
+        return self.env
+
+    def add(self, steps: int, returns: list[float], lengths: list[int]) -> None:
+        """Count ``steps`` env steps and these finished episodes (a collector's own count, in step order)."""
+        self.steps += steps
+        self.returns.extend(returns)
+        self.lengths.extend(lengths)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.env, name)
@@ -182,6 +200,9 @@ class EpisodeCounter:
         return out
 
     def step(self, actions: Any) -> Any:
+        if self._elsewhere:
+            raise RuntimeError("this env is counted by its collector (counted_elsewhere()): step the env it "
+                               "returned, not the counter")
         o, r, term, trunc, info = self.env.step(actions)
         if self.next_step:
             valid = ~self._resetting

@@ -20,7 +20,7 @@ import numpy as np
 from gymnasium.vector import AutoresetMode, SyncVectorEnv
 
 from worker.normalize import Moments, NormStats, ReturnTracker
-from worker.segments import gae
+from worker.segments import EpisodeCounter, gae
 
 
 @dataclass
@@ -59,7 +59,7 @@ class Segment:
 
 
 def as_vector_env(envs: Any) -> gymnasium.vector.VectorEnv[Any, Any, Any]:
-    """A vector env (or a wrapper of one, such as the group's episode counter) as is; a list of single envs as a
+    """A vector env (or a wrapper of one) as is; a list of single envs as a
     ``SyncVectorEnv`` (``SAME_STEP``) over them."""
     if isinstance(envs, gymnasium.vector.VectorEnv) or hasattr(envs, "num_envs"):
         return envs
@@ -89,13 +89,17 @@ class Collector:
     carries the moments of each copy's discounted return (:mod:`worker.normalize`). Episode returns
     reported stay raw.
 
+    Given the group's :class:`worker.segments.EpisodeCounter`, it steps the env inside and hands the counter
+    the steps and episodes it counted itself, once per segment (the same figures, one count per step).
+
     Raises:
         ValueError: for a vector env whose autoreset is disabled (nothing would reset finished copies).
     """
 
     def __init__(self, envs: Any, policy: Any, *, gamma: float, lam: float, seed: int,
                  normalize_obs: bool = False, normalize_reward: bool = False) -> None:
-        self.vec = as_vector_env(envs)
+        self.counter = envs if isinstance(envs, EpisodeCounter) else None
+        self.vec = as_vector_env(self.counter.counted_elsewhere() if self.counter is not None else envs)
         self.mode = autoreset_mode(self.vec)
         if self.mode not in (AutoresetMode.NEXT_STEP, AutoresetMode.SAME_STEP):
             raise ValueError(f"vector env autoreset mode {self.mode.value!r} is not supported; use next_step or same_step")
@@ -178,7 +182,10 @@ class Collector:
         _, last_values = pol.forward(norm.obs(self.obs))
         adv, ret = gae(rew_buf, val_buf, done_buf, last_values, self.gamma, self.lam)
         all_valid = bool(valid_buf.all())
-        self.total_steps += int(valid_buf.sum())
+        played = int(valid_buf.sum())
+        self.total_steps += played
+        if self.counter is not None:
+            self.counter.add(played, ep_returns, ep_lengths)
         assert act_buf is not None
         obs_m = None if raw_buf is None else Moments.of(raw_buf[valid_buf])
         ret_m = None if self.returns is None else Moments.of(np.concatenate(ret_seen))

@@ -18,7 +18,7 @@ import gymnasium
 import numpy as np
 import pytest
 
-from tests.helpers import ROOT, SECRET, child_env, launcher_cmd, only_run, status_of, wait_for
+from tests.helpers import ROOT, SECRET, child_env, free_port, launcher_cmd, only_run, status_of, wait_for
 from tests.policy_fixtures import builtin, numpy_context, policy_of
 from worker.algorithms import hparams
 
@@ -28,6 +28,7 @@ from worker.contract import GroupAssignment, RunSpec
 from worker.keras_convert import get_weights
 from worker.protocol import Connection, MsgType, client_handshake
 from worker.schedules import Scheduler, policy_lag
+from worker.segments import EpisodeCounter
 
 
 def progress_records(run_dir: Path) -> list[dict[str, Any]]:
@@ -77,6 +78,45 @@ def test_next_step_autoreset_rows_are_masked_out_and_truncation_bootstraps() -> 
     np.testing.assert_allclose(seg.returns[4], 1.0 + 0.99 * v_final, rtol=1e-5)
 
 
+class _Through:
+    """The group's counter seen through a plain proxy: the collector steps it as any env (the count per step)."""
+
+    def __init__(self, counter: EpisodeCounter) -> None:
+        self.counter = counter
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.counter, name)
+
+
+@pytest.mark.parametrize("mode", ["NextStep", "SameStep"])
+def test_the_collector_counts_for_the_groups_counter_exactly_as_the_counter_would(mode: str) -> None:
+    """Handed the group's EpisodeCounter, the collector steps the env inside and reports its own count once per
+    segment: the same steps, episode returns and lengths, in the same order, as the counter counting each step of
+    a twin env played the same way; the counter refuses to be stepped after that (two counts would mix)."""
+    def twin() -> Any:
+        return gymnasium.make_vec("CartPole-v1", num_envs=3, vectorization_mode="sync", max_episode_steps=9,
+                                  vector_kwargs={"autoreset_mode": gymnasium.vector.AutoresetMode(mode)})
+
+    folded, reference = EpisodeCounter(twin()), EpisodeCounter(twin())
+    algorithm, model = builtin(folded)
+    ctx = numpy_context(algorithm, model)
+    ctx._runtime.swap_in({k: np.full(v.shape, 0.01, np.float32) for k, v in get_weights(model).items()}, 3)
+    pol = policy_of(ctx, "float32")
+    a = Collector(folded, pol, gamma=0.99, lam=0.95, seed=4)
+    b = Collector(_Through(reference), pol, gamma=0.99, lam=0.95, seed=4)
+    ended = 0
+    for _ in range(5):
+        sa, sb = a.collect(7), b.collect(7)
+        np.testing.assert_array_equal(sa.actions, sb.actions)
+        got, want = folded.take(), reference.take()
+        assert got == want and got[0] == sa.steps
+        assert got[1] == sa.episode_returns
+        ended += len(got[1])
+    assert ended >= 5, f"only {ended} episodes ended: the comparison saw too few"
+    with pytest.raises(RuntimeError, match="counted by its collector"):
+        folded.step(np.zeros(3, np.int64))
+
+
 def test_the_learner_corrects_lagged_segments_with_truncated_importance_weights() -> None:
     """Lag 0: the weights are 1 (classic PPO). Behaviour log-probs far below the learner's: weights cut at rho_bar."""
     from worker.algorithms.ppo_update import PPOLearner
@@ -99,25 +139,9 @@ def test_the_learner_corrects_lagged_segments_with_truncated_importance_weights(
 # ------------------------------------------------------------------------------------- a real master
 def test_a_stale_segment_is_counted_and_not_applied(tmp_path: Path) -> None:
     """This test is group 0 of a real master process: a segment 10 versions old is dropped, a fresh one learned."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    spec = RunSpec(run_id="stale-test", env_id="CartPole-v1", algo="ppo", seed=0, master_port=port,
-                   results_dir=str(tmp_path), checkpoint_every=1000, groups=(GroupAssignment(0, 1),),
-                   hparams={"update_wait_s": 0.1})
-    (tmp_path / "spec.json").write_text(spec.to_json())
-    master = subprocess.Popen([sys.executable, "-m", "worker", "master", "--spec", str(tmp_path / "spec.json")],
-                              cwd=ROOT, env=child_env(LAUNCHER_SECRET=SECRET, LAUNCHER_LOG_LEVEL="WARNING"),
-                              stdout=open(tmp_path / "master.log", "wb"), stderr=subprocess.STDOUT)
+    master, conn = _master_and_group_0(tmp_path, tmp_path, "ppo", checkpoint_every=1000)
     try:
-        conn = wait_for(lambda: _join(port, spec), 90, "the master to accept group 0")
-        assert _next_weights(conn) == 0
-        n = 8
-        arrays = {"obs": np.zeros((n, 4), np.float32), "actions": np.zeros(n, np.int64),
-                  "logp": np.full(n, -0.69, np.float32), "advantages": np.ones(n, np.float32),
-                  "returns": np.ones(n, np.float32), "ep_returns": np.zeros(0), "ep_lengths": np.zeros(0, np.int32)}
+        n, arrays = _cartpole_segment()
         conn.send(MsgType.TRAJ, {"version": -10, "env_steps": n}, arrays)
         assert _next_weights(conn) == 0  # answered ("unchanged"), so the group goes on, but nothing was learned
         st = wait_for(lambda: (lambda d: d if d.get("policy_lag", {}).get("dropped") else None)(status_of(tmp_path)),
@@ -132,6 +156,72 @@ def test_a_stale_segment_is_counted_and_not_applied(tmp_path: Path) -> None:
     finally:
         master.terminate()
         master.wait(timeout=60)
+
+
+SLOW_CHECKPOINT = """
+import time
+
+from worker.algorithms.ppo import PPO, PPOLearnerRole
+
+
+class SlowSave(PPOLearnerRole):
+    def checkpoint(self):
+        time.sleep(3.0)  # a learner whose save is slow (a large model, a slow disk)
+        return super().checkpoint()
+
+
+class SlowCheckpointPPO(PPO):
+    learner = SlowSave
+"""
+
+
+def test_the_groups_get_new_weights_before_the_checkpoint_is_written(tmp_path: Path) -> None:
+    """A checkpoint is written after the round's replies, so the groups play on with the new weights while it
+    is written instead of waiting for it (issue 28: it was ~half of a group's waiting at 8 workers)."""
+    (tmp_path / "slow_ckpt.py").write_text(SLOW_CHECKPOINT)
+    master, conn = _master_and_group_0(tmp_path, tmp_path / "run", f"{tmp_path / 'slow_ckpt.py'}:SlowCheckpointPPO",
+                                       checkpoint_every=1)
+    saved = tmp_path / "run" / "checkpoints" / "ckpt-1.index"
+    try:
+        n, arrays = _cartpole_segment()
+        conn.send(MsgType.TRAJ, {"version": 0, "env_steps": n}, arrays)
+        assert _next_weights(conn) == 1
+        assert not saved.exists(), "the reply waited for the checkpoint of its update"
+        wait_for(lambda: saved.exists() or None, 30, "the checkpoint of update 1, written after the reply")
+        conn.close()
+    finally:
+        master.terminate()
+        master.wait(timeout=60)
+    assert (tmp_path / "master.log").read_text().count("Traceback") == 0, (tmp_path / "master.log").read_text()
+
+
+def _master_and_group_0(tmp_path: Path, results: Path, algo: str, *,
+                        checkpoint_every: int) -> tuple[subprocess.Popen[bytes], Connection]:
+    """A real master process for one group of one worker on CartPole (its log: ``tmp_path/master.log``), and this
+    test joined as that group, holding the first weights (version 0). The caller terminates the master."""
+    port = free_port()
+    spec = RunSpec(run_id="master-test", env_id="CartPole-v1", algo=algo, seed=0, master_port=port,
+                   results_dir=str(results), checkpoint_every=checkpoint_every, groups=(GroupAssignment(0, 1),),
+                   hparams={"update_wait_s": 0.1})
+    (tmp_path / "spec.json").write_text(spec.to_json())
+    master = subprocess.Popen([sys.executable, "-m", "worker", "master", "--spec", str(tmp_path / "spec.json")],
+                              cwd=ROOT, env=child_env(LAUNCHER_SECRET=SECRET, LAUNCHER_LOG_LEVEL="WARNING"),
+                              stdout=open(tmp_path / "master.log", "wb"), stderr=subprocess.STDOUT)
+    try:
+        conn = wait_for(lambda: _join(port, spec), 120, "the master to accept group 0")
+        assert _next_weights(conn) == 0
+    except BaseException:
+        master.terminate()
+        master.wait(timeout=60)
+        raise
+    return master, conn
+
+
+def _cartpole_segment(n: int = 8) -> tuple[int, dict[str, np.ndarray]]:
+    """A PPO segment of ``n`` CartPole rows (zeros: what it teaches does not matter here)."""
+    return n, {"obs": np.zeros((n, 4), np.float32), "actions": np.zeros(n, np.int64),
+               "logp": np.full(n, -0.69, np.float32), "advantages": np.ones(n, np.float32),
+               "returns": np.ones(n, np.float32), "ep_returns": np.zeros(0), "ep_lengths": np.zeros(0, np.int32)}
 
 
 def _join(port: int, spec: RunSpec) -> Connection | None:
