@@ -4,17 +4,18 @@ A run's actors hold nothing worth keeping; its learner's state is in its checkpo
 process or container dies *by a signal* (SIGKILL, the OOM killer, a segfault) without recording how the run
 ended, the supervisor asks the backend for a new master of the same run: same command, environment, GPU
 leases, run secret and address (the process backend keeps the listening socket; a container keeps its name on
-the run's network). The new master restores the newest intact checkpoint (counters, optimiser, normalisation
+the run's network, and so does a swarm service's new task). The new master restores the newest intact checkpoint (counters, optimiser, normalisation
 statistics); the groups, which never stopped, reconnect with their back-off and train on, and whatever they
 collected against the old weights is judged by the normal policy-lag rule. The new master records the
 recovery (:mod:`worker.recovery`); this module decides and counts.
 
 Not recovered, because a second master would end the same way or someone meant it: a master that recorded an
 end (``summary.json`` written since it started: finished, failed on an error, stopped by SIGTERM / ``docker
-stop`` / an engine shutdown), one that exited with a code rather than a signal, and any master once the
-budget is spent: ``--master-restarts K`` deaths in a row, each within :data:`RESTART_WINDOW_S` of the previous
-(re)start, end the run with exit 7 as before (K = 0 turns recovery off). A master that lived longer than the
-window starts the count again.
+stop`` / an engine shutdown), one that exited with a code rather than a signal, one the backend cannot
+replace now (:meth:`~launcher.backends.base.Backend.master_recovery_blocked`: on Slurm, its node lost), and any
+master once the budget is spent: ``--master-restarts K`` deaths in a row, each within :data:`RESTART_WINDOW_S`
+of the previous (re)start, end the run with exit 7 as before (K = 0 turns recovery off). A master that lived
+longer than the window starts the count again.
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ def stamp(path: Path) -> int | None:
 class Verdict:
     recover: bool
     why: str  # recover: the event line's tail; else why not (for the failure message)
+    blocked: bool = False  # not replaced because the backend cannot now (its reason is the likelier cause)
 
 
 @dataclass
@@ -78,10 +80,16 @@ class MasterRecovery:
         """The master (first or a new one) was started now."""
         self._started = self.clock()
 
-    def judge(self, exit_code: int | None, *, ended_on_record: bool, supported: bool, backend: str) -> Verdict:
-        """Whether to replace a master that just died."""
+    def judge(self, exit_code: int | None, *, ended_on_record: bool, supported: bool, backend: str,
+              blocked: Callable[[], str | None] | None = None) -> Verdict:
+        """Whether to replace a master that just died. ``blocked``: why the backend cannot replace this one now (None:
+        it can); asked of a backend that replaces masters, before the exit code, since the reason (the master's
+        node lost) also explains an end without a signal."""
         if ended_on_record:
             return Verdict(False, "it recorded how the run ended")
+        why_not = blocked() if supported and blocked is not None else None
+        if why_not:
+            return Verdict(False, why_not, blocked=True)
         signum = death_signal(exit_code)
         if signum is None:
             return Verdict(False, f"it exited with code {exit_code} (not killed by a signal)")

@@ -242,7 +242,8 @@ def supervise(run: PreparedRun, backend: Backend, *, on_event: Event | None = No
                 seen_recoveries = max(seen_recoveries, len(recs))
             if not st.master.state.alive:
                 verdict = recovery.judge(st.master.exit_code, supported=backend.recovers_master, backend=backend.name,
-                                         ended_on_record=stamp(run.run_dir.files.summary) != summary_mark)
+                                         ended_on_record=stamp(run.run_dir.files.summary) != summary_mark,
+                                         blocked=backend.master_recovery_blocked)
                 if verdict.recover:
                     emit("event", {"message": f"the master died ({verdict.why})"})
                     backend.restart_master()
@@ -252,7 +253,7 @@ def supervise(run: PreparedRun, backend: Backend, *, on_event: Event | None = No
                     continue
                 backend.fetch_results()
                 final, message = _master_ended(run, st)
-                if death_signal(st.master.exit_code) is not None and final == RunState.FAILED:
+                if final == RunState.FAILED and (verdict.blocked or death_signal(st.master.exit_code) is not None):
                     message += f" (not replaced: {verdict.why})"
                 break
             if budget.all_lost:

@@ -64,6 +64,8 @@ class PreparedRun:
     # The launcher's GPU leases (launcher.gpu.reservations.Reservation; None on CPU): a container backend
     # hands them to the master (launcher.gpu.handover) so they live as long as the run.
     reservation: Any = field(default=None, repr=False, compare=False)
+    # ``--elastic``: the fewest worker groups the run may shrink to for a queued run (launcher.elastic); None: never.
+    elastic_min: int | None = None
 
     @property
     def run_id(self) -> str:
@@ -83,6 +85,7 @@ class PartState(str, enum.Enum):
     EXITED = "exited"  # exited 0: the master told it the run is over
     FAILED = "failed"  # exited non-zero and nothing is starting it again (yet)
     LOST = "lost"  # failed with its restart budget spent, or vanished
+    YIELDED = "yielded"  # an elastic run gave its GPUs to a queued run; it comes back when they free (launcher.elastic)
 
     @property
     def alive(self) -> bool:
@@ -250,6 +253,7 @@ class Backend(abc.ABC):
     policy, the swarm) before the supervisor restarts it itself; 0 when nothing else ever restarts it.
     ``outlives_launcher``: whether the run's parts survive the launcher (``up --detach`` needs it).
     ``recovers_master``: whether :meth:`restart_master` can replace a dead master in place (issue 27).
+    ``elastic``: whether :meth:`yield_group` and :meth:`regrow_group` work (``--elastic``, :mod:`launcher.elastic`).
     """
 
     name: ClassVar[str] = "?"
@@ -257,6 +261,7 @@ class Backend(abc.ABC):
     restart_grace_s: ClassVar[float] = 0.0
     outlives_launcher: ClassVar[bool] = False
     recovers_master: ClassVar[bool] = False
+    elastic: ClassVar[bool] = False
     detach_hint: ClassVar[str] = "add --backend docker (an engine must answer), or leave out --detach"
     _stop_check: Callable[[], bool] | None = None
 
@@ -292,6 +297,33 @@ class Backend(abc.ABC):
         """Start a new master in place of the dead one: the same command, environment, GPU leases, secret and
         address, so the groups reconnect to it (:mod:`launcher.recovery`). Only where ``recovers_master``."""
         raise NotImplementedError(f"the {self.name} backend does not replace a dead master")
+
+    def master_recovery_blocked(self) -> str | None:
+        """Why a dead master cannot be replaced in place right now although the backend can replace one (the
+        Slurm backend: its node is lost, and the groups dial its address there), or None. Asked when a master
+        died without recording an end (:meth:`launcher.recovery.MasterRecovery.judge`); may ask the backend's
+        system."""
+        return None
+
+    def yield_group(self, index: int) -> None:
+        """Ask group ``index`` to leave for good (an elastic run yielding its GPUs): it finishes and sends its
+        current segment, says goodbye and exits 0; :meth:`poll` then shows it YIELDED, never FAILED. Only where
+        ``elastic``."""
+        raise NotImplementedError(f"the {self.name} backend has no elastic runs")
+
+    def kill_group(self, index: int) -> None:
+        """End a yielding group that did not leave in time (SIGKILL); :meth:`poll` still shows it YIELDED."""
+        raise NotImplementedError(f"the {self.name} backend has no elastic runs")
+
+    def release_yielded(self, uuids: tuple[str, ...]) -> tuple[str, ...]:
+        """Release the leases of ``uuids``, GPUs that yielded groups (exited now) no longer share with any part of
+        the run. Returns the UUIDs released."""
+        raise NotImplementedError(f"the {self.name} backend has no elastic runs")
+
+    def regrow(self, indices: tuple[int, ...], uuids: tuple[str, ...]) -> bool:
+        """Lease ``uuids`` again for the run, without waiting, then start the yielded groups ``indices`` as they
+        were; False, with nothing started or held, when another run holds one of the GPUs now."""
+        raise NotImplementedError(f"the {self.name} backend has no elastic runs")
 
     @abc.abstractmethod
     def stop(self, *, grace_s: float = 8.0) -> None:

@@ -22,7 +22,9 @@ A node lost mid-run (its slurmd silent, so slurmctld marks it down and removes i
 on it; srun does not notice a node that vanished, so :meth:`SlurmBackend.poll` marks those steps FAILED (the
 lost node and when), and the supervisor's restart budget starts each lost group again through
 :meth:`SlurmBackend.restart_group`: its old step is cancelled and a new one started on a surviving node of the
-job with room (:func:`~launcher.backends.slurm_specs.restart_node`). Every Slurm command goes through
+job with room (:func:`~launcher.backends.slurm_specs.restart_node`). A master killed by a signal is replaced by
+:meth:`SlurmBackend.restart_master`: a new step on its node at its port (the groups never re-read
+``master.addr``), never elsewhere (:mod:`launcher.recovery`). Every Slurm command goes through
 :mod:`launcher.slurm.commands`.
 """
 
@@ -42,20 +44,21 @@ from launcher.backends.base import Backend, BackendStatus, Event, PreparedRun, e
 from launcher.backends.process import check_on_host
 from launcher.backends.process_children import ORPHAN_GRACE_S, _Child, _Reaper
 from launcher.backends.envcheck import host_env
+from launcher.backends.slurm_parts import MAX_ADDR_BYTES, master_port_written
 from launcher.backends.slurm_run import SlurmRun, live_jobs, wait_gone, wait_running
 from launcher.backends.slurm_specs import (JOB_PLACEHOLDER, MASTER_NODE_PLACEHOLDER, SlurmPlan, allocation_view,
                                            plan_slurm, request_from, restart_node, sbatch_args, slot_nodes, step_specs)
 from launcher.backends.slurm_watch import SlurmWatch
 from launcher.backends.specs import LaunchSpecs
 from launcher.config import RunConfig
-from launcher.errors import BadInput, LauncherError
+from launcher.errors import BadInput, LauncherError, RunFailed
 from launcher.gpu.placement import Plan
 from launcher.procs import launcher_record
 from launcher.runs import RunDir
 from launcher.slurm import commands
 from launcher.usercode import user_code
 from launcher.slurm.model import JobInfo, NodeInfo
-from worker.contract import LOGS_DIR, MASTER_LOG, group_log_name
+from worker.contract import LOGS_DIR, MASTER_ADDR_FILE, MASTER_LOG, group_log_name
 from worker.ending import RunState
 
 log = logging.getLogger(__name__)
@@ -73,6 +76,7 @@ class SlurmBackend(SlurmWatch, Backend):
     name = "slurm"
     restart_grace_s = 0.0  # nothing but the supervisor starts a step again
     outlives_launcher = False
+    recovers_master = True  # on its node and port while that node is in the job (restart_master)
     detach_hint = ("the steps are the launcher's children; for an unattended run submit `launcher up --backend "
                    "slurm` itself in a batch script (`sbatch --wrap '…'`): it then runs in that allocation")
 
@@ -101,6 +105,8 @@ class SlurmBackend(SlurmWatch, Backend):
         self.job_id: str | None = None
         self.owns_job = False
         self.children: dict[str, _Child] = {}
+        self.master_host = ""  # the address the master listens on (its node's NodeAddr)
+        self._base_env: dict[str, str] = {}  # what every step's srun inherits (host_env)
         self.nodes: dict[str, str] = {}  # part -> the node its step runs on
         self.step_ids: dict[str, str] = {}  # part -> its newest step's id ("12.3")
         self.lost_nodes: dict[str, str] = {}  # node -> when slurmctld lost it
@@ -155,8 +161,8 @@ class SlurmBackend(SlurmWatch, Backend):
         return check_on_host(cfg, self.on_event)
 
     # ------------------------------------------------------------------------------------------- start
-    def specs(self, run: PreparedRun, *, job_id: str = JOB_PLACEHOLDER,
-              master_addr: str = MASTER_NODE_PLACEHOLDER) -> LaunchSpecs:
+    def specs(self, run: PreparedRun, *, job_id: str = JOB_PLACEHOLDER, master_addr: str = MASTER_NODE_PLACEHOLDER,
+              master_port: int = 0) -> LaunchSpecs:
         """Each step's ``srun`` line and environment (:func:`step_specs`; the docker runtime's image: ``--image`` or
         this version's CPU or GPU tag); the job's id and the master's node stand in until ``start`` knows them. A
         plan not made from Slurm's view (``launcher plan``) has no steps."""
@@ -166,7 +172,7 @@ class SlurmBackend(SlurmWatch, Backend):
             return LaunchSpecs(self.name, note="the steps come from the plan Slurm's view gives at the start")
         image = self.image or image_mod.default_tag(image_mod.flavour_for(run.plan.kind == "gpu"))
         return step_specs(run, run.plan, job_id=job_id, nodes=self.nodes, master_addr=master_addr,
-                          runtime=self.runtime, python=self.python, image=image)
+                          runtime=self.runtime, python=self.python, image=image, master_port=master_port)
 
     def start(self, run: PreparedRun) -> None:
         if not isinstance(run.plan, SlurmPlan):
@@ -195,9 +201,9 @@ class SlurmBackend(SlurmWatch, Backend):
         self.nodes = slot_nodes(self.plan, job.nodes)
         self._node_info = {n.name: n for n in commands.cluster().nodes}
         master_node = self.nodes["master"]
-        addr = self._address(master_node)
+        addr = self.master_host = self._address(master_node)
         run.run_dir.files.master_addr.unlink(missing_ok=True)  # a resumed run's earlier master left it behind
-        base = host_env(user_code(run.config))
+        base = self._base_env = host_env(user_code(run.config))
         for part in self.specs(run, job_id=self.job_id, master_addr=addr).parts:
             log_name = MASTER_LOG if part.name == "master" else group_log_name(part.name.partition("-")[2])
             child = _Child(part.name, list(part.command), {**base, **part.env}, logs / log_name, secret=run.secret,
@@ -300,6 +306,68 @@ class SlurmBackend(SlurmWatch, Backend):
         os.write(child.open_log(), f"--- launcher: starting {name} again on {node or 'any node with room'} "
                                    f"(restart {child.restarts}) ---\n".encode())
         self._start_child(child)
+
+    # --------------------------------------------------------------------------------- the master replaced
+    def restart_master(self) -> None:
+        """A new master step in place of the dead one, as the process backend starts a new child: on the same node
+        and the same port (``srun --nodelist=NODE``, the spec's port), so the groups, which never restart, reconnect
+        to the address they dialled; the old connections' TIME_WAIT does not stop the bind (the master's socket
+        has SO_REUSEADDR). The new master restores the newest checkpoint and records the recovery.
+
+        Raises:
+            RunFailed: the master's node is lost, or ``master.addr`` does not say which port the groups dial.
+        """
+        node, port = self._master_return()
+        self._end_step("master")
+        assert self.run is not None and self.job_id is not None
+        part = self.specs(self.run, job_id=self.job_id, master_addr=self.master_host, master_port=port).part("master")
+        child = self.children["master"]
+        code = child.exit_code()
+        child.argv, child.env = list(part.command), {**self._base_env, **part.env}
+        child.restarts += 1
+        where = f"{self.master_host}:{port}" if port else f"{self.master_host}, any free port (no group had its address)"
+        os.write(child.open_log(), f"--- launcher: the master died (srun exit {code}); starting a new one on {node} "
+                                   f"({where}) from the newest checkpoint (restart {child.restarts}) ---\n".encode())
+        self._start_child(child)
+        self.progress(f"slurm: a new master step on {node} ({where}) in place of the dead one")
+
+    def master_recovery_blocked(self) -> str | None:
+        try:
+            self._master_return()
+        except RunFailed as exc:
+            return exc.message
+        return None
+
+    def _master_return(self) -> tuple[str, int]:
+        """Where a new master must listen for the groups to reach it: the dead one's node and port (0 when it died
+        before it wrote ``master.addr``: the groups still wait for the file). Asks slurmctld first.
+
+        Raises:
+            RunFailed: that node is lost or gone from the job (a master elsewhere is at an address no group dials),
+                or ``master.addr`` is unreadable or not one line ``HOST:PORT`` on the master's address.
+        """
+        assert self.run is not None
+        self._watch()
+        node = self.nodes["master"]
+        info = self._node_info.get(node)
+        if "master" in self.lost_parts or (info is not None and info.lost) or node not in self.job_nodes:
+            state = self.lost_parts.get("master") or (f"node {node} {info.word}" if info is not None
+                                                        else f"node {node} gone from job {self.job_id}")
+            raise RunFailed(f"the master's node is lost ({state}): a new master elsewhere would listen where no group "
+                            "dials", hint=f"`launcher up --resume {self.run.run_id}` continues from the last checkpoint")
+        try:
+            data = safefs.read_bytes(self.run.run_dir.path, MASTER_ADDR_FILE, max_bytes=MAX_ADDR_BYTES)
+        except FileNotFoundError:
+            return node, 0
+        except OSError as exc:
+            raise RunFailed(f"cannot tell which port the groups dial: {exc}",
+                            hint=f"`launcher up --resume {self.run.run_id}` continues from the last checkpoint") from None
+        try:
+            return node, master_port_written(data, self.master_host)
+        except ValueError as exc:
+            raise RunFailed(f"cannot tell which port the groups dial: the dead master's {MASTER_ADDR_FILE} is refused "
+                            f"({exc})", hint=f"`launcher up --resume {self.run.run_id}` continues from the last "
+                                             "checkpoint") from None
 
     # ----------------------------------------------------------------------------------------------- stop
     def stop(self, *, grace_s: float = 8.0) -> None:

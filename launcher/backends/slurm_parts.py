@@ -9,8 +9,11 @@ from __future__ import annotations
 import re
 
 from launcher.backends.base import Part, PartState
+from worker.contract import parse_addr
 
 STEP_LINE = re.compile(r"launcher: step (\S+) on (\S+): SLURM_STEP_GPUS=(\S+)")  # PROLOGUE's first line
+ADDR_LINE = re.compile(rb"[0-9A-Za-z.:_-]{1,253}:[0-9]{1,5}\n?")  # what a master writes to master.addr
+MAX_ADDR_BYTES = 512  # master.addr is one short line; the host reads no more of it
 
 
 def step_gpus_printed(head: str) -> str | None:
@@ -42,3 +45,20 @@ def step_number(step_id: str) -> int:
     """The step's number in ``12.3`` (-1 for the batch step or none)."""
     tail = step_id.rpartition(".")[2]
     return int(tail) if tail.isdigit() else -1
+
+
+def master_port_written(data: bytes, host: str) -> int:
+    """The port a master wrote to ``master.addr`` (``HOST:PORT``, one line, as
+    :func:`worker.contract.format_addr` writes it), which must be on ``host``: the address the launcher told it
+    to bind. The file is the run's, so untrusted: anything but one such line is refused. Pure.
+
+    Raises:
+        ValueError: saying what the file held instead.
+    """
+    if ADDR_LINE.fullmatch(data) is None:
+        raise ValueError(f"it holds {data[:80]!r}, not one line HOST:PORT")
+    addr = parse_addr(data.decode("ascii").strip())
+    if not isinstance(addr, tuple) or addr[0] != host or not 0 < addr[1] < 65536:
+        raise ValueError(f"it names {data.decode('ascii').strip()!r}, not a port on {host}, where the master was "
+                         "told to listen")
+    return addr[1]

@@ -324,12 +324,13 @@ def step_command(step: StepPlan, *, job_id: str, node: str | None, run_id: str, 
 
 
 def step_specs(run: PreparedRun, plan: SlurmPlan, *, job_id: str, nodes: Mapping[str, str], master_addr: str,
-               runtime: str, python: str, image: str) -> LaunchSpecs:
+               runtime: str, python: str, image: str, master_port: int = 0) -> LaunchSpecs:
     """Each step's ``srun`` argv and the environment the launcher sets over its own (``--export=ALL`` passes
     both; :func:`step_env` over nothing). ``nodes``: part -> node (none: any node of the job with room). The spec
-    as the steps see it: the master on its node's address (``master_addr``), any free port; the groups read the
-    port from ``master.addr``. Pure."""
-    spec = dataclasses.replace(run.spec, master_host=master_addr, master_port=0, connect_host=master_addr)
+    as the steps see it: the master on its node's address (``master_addr``) and ``master_port`` (0: any free
+    one; a master started in place of a dead one takes the dead one's, which the groups dial); the groups read
+    the port from ``master.addr``. Pure."""
+    spec = dataclasses.replace(run.spec, master_host=master_addr, master_port=master_port, connect_host=master_addr)
     results_dir = str(run.results_dir.resolve())
     parts = tuple(PartSpec(s.name, tuple(step_command(s, job_id=job_id, node=nodes.get(s.name) or None,
                                                       run_id=run.run_id, runtime=runtime, python=python,

@@ -80,8 +80,11 @@ class SlurmWatch:
                 when = self.lost_nodes.get(node) or (node_lost_at(info, now) if info is not None else now)
                 if node not in self.lost_nodes:
                     self.lost_nodes[node] = when
+                    master_here = self.nodes.get("master") == node
                     self.progress(f"slurm: node {node} lost at {when} ({info.word if info else 'gone from the job'});"
-                                  f" its steps end and lost groups start again on the job's other nodes")
+                                  + (" the master's step with it: the run ends (its groups dial its address there)"
+                                     if master_here else
+                                     " its steps end and lost groups start again on the job's other nodes"))
                 self.lost_parts[part] = lost_text(node, when)
                 self.run.run_dir.update_record(lost_nodes=dict(self.lost_nodes),
                                                lost_parts={**self.was_lost, **self.lost_parts})

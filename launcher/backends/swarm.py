@@ -7,8 +7,9 @@ One run is, on the swarm:
   the master is one task, and VIPs need IPVS in every node's kernel, which not every kernel has;
 * the run secret as a Docker secret ``launcher-<run id>-secret``, mounted read-only for the run's user at
   ``/run/secrets/launcher-secret``; ``LAUNCHER_SECRET_FILE`` points there (never an environment variable);
-* the master as one service ``launcher-<run id>-master`` (one replica, never restarted, like the Docker
-  backend's master), placed by ``--swarm-master`` (:func:`master_placement`); its results go to the run's
+* the master as one service ``launcher-<run id>-master`` (one replica, never restarted by the swarm; a master
+  killed by a signal gets a new task at the same name from the supervisor, :meth:`SwarmBackend.restart_master`,
+  issue 27), placed by ``--swarm-master`` (:func:`master_placement`); its results go to the run's
   results directory by bind mount when it runs on this node or on a ``launcher.storage=true`` node, else to
   a named volume ``launcher-<run id>-results`` on its node;
 * one service per worker group ``launcher-<run id>-group-<N>`` (one replica each, so per-group GPU
@@ -38,8 +39,8 @@ from launcher.backends.containers import container_user, give_to, network_name
 from launcher.backends.swarm_run import SwarmRun, lost_node, teardown
 from launcher.backends.specs import LaunchSpecs
 from launcher.backends.swarm_specs import (START_TIMEOUT_S, Placement, assumed_placement, swarm_labels, gpu_shortfall,
-                                           group_placement, launch_specs, master_placement, secret_name, service_specs,
-                                           service_state, start_problem, volume_name)
+                                           group_placement, launch_specs, master_placement, recovery_constraints, secret_name,
+                                           service_specs, service_state, start_problem, volume_name)
 from launcher.engine.client import Engine
 from launcher.engine.labels import ROLE_LABEL, RUN_LABEL
 from launcher.engine.swarm import PRE_RUNNING, STOP_GRACE_S, NodeInfo, SwarmEngine, TaskInfo, connect_swarm, latest
@@ -62,6 +63,7 @@ class SwarmBackend(Backend):
     name = "swarm"
     restart_grace_s = 5.0  # the swarm starts a failed group's next task after RESTART_DELAY_S
     outlives_launcher = True
+    recovers_master = True  # a new master task at the same service name (restart_master)
 
     def __init__(self, image: str | None = None, *, progress: Progress | None = None, engine: Engine | None = None,
                  master_placement: str = "auto", group_placement: str = "spread",
@@ -96,6 +98,8 @@ class SwarmBackend(Backend):
         self._held: dict[str, Part] = {}  # service id -> the group as it ended with a never-restarted exit
         self._copied = False
         self._stopped = False
+        self._replaced: set[str] = set()  # the master's tasks before the last restart_master (dead, or gone)
+        self._replaced_at = 0.0  # when restart_master asked for a new master task (monotonic)
 
     with_packages: tuple[str, ...] = ()  # --with: run on the image derived from the base with these
     _resolved: str | None = None
@@ -245,6 +249,8 @@ class SwarmBackend(Backend):
             ts = tasks.get(sid, [])
             self._seen.setdefault(sid, set()).update(t.id for t in ts)  # the swarm forgets old tasks; we do not
             restarts = max(0, len(self._seen[sid]) - 1)
+            if sid == self.master_service and self._awaiting_new_master(ts):
+                return Part(name, PartState.STARTING, None, restarts, "", "new")
             state, code = service_state(ts, max_attempts, restarts)
             t = latest(ts)
             node = nodes.get(t.node_id) if t else None
@@ -276,6 +282,28 @@ class SwarmBackend(Backend):
             self.progress(f"results copied from volume {vol} into {self.run.results_dir}")
         else:
             self.progress(f"results stay in volume {vol} on the master's node (not this one); see docs/scaling-out.md")
+
+    def _awaiting_new_master(self, ts: list[TaskInfo]) -> bool:
+        """Whether the swarm has yet to list the master task :meth:`restart_master` asked for (the update is
+        asynchronous: until then the dead task is the newest, and must not be judged dead a second time). Past
+        ``start_timeout_s`` the dead task is reported again, and the supervisor's budget decides."""
+        if not self._replaced or time.monotonic() - self._replaced_at > self.start_timeout_s:
+            return False
+        return all(t.id in self._replaced for t in ts)
+
+    def restart_master(self) -> None:
+        """A new master task in place of the dead one (like ``docker service update --force``): the same service
+        name on the run's network (the groups dial it and reconnect), image, environment, secret and mounts. A
+        master whose results are in a named volume is pinned to the dead task's node, where the volume with its
+        checkpoints is (:func:`recovery_constraints`); a bound results directory is where the placement already
+        puts it."""
+        assert self.swarm is not None and self.master_service is not None and self.placement is not None
+        ts = self.swarm.tasks([self.master_service])[self.master_service]
+        dead = latest(ts)
+        self._replaced = {t.id for t in ts} | self._seen.get(self.master_service, set())
+        self._replaced_at = time.monotonic()
+        self.swarm.force_update(self.master_service,
+                                constraints=recovery_constraints(self.placement, dead.node_id if dead else ""))
 
     def restart_group(self, index: int) -> None:
         """A new task for group ``index`` (like ``docker service update --force``)."""

@@ -142,6 +142,16 @@ def master_placement(choice: str, nodes: list[NodeInfo], local_node: str) -> Pla
     return Placement((f"node.id=={local_node}",), "bind", f"master on this node ({host})")
 
 
+def recovery_constraints(master: Placement, dead_node: str) -> tuple[str, ...] | None:
+    """Where a new master task may run in place of a dead one (issue 27), so that it finds the run's
+    checkpoints: None keeps the placement (a bind mount: ``local`` pins the node already, and every
+    ``storage`` node holds the results root at the same path); results in a named volume (``any``) live on the
+    dead task's node only, so the new task is pinned there (``node.id==<dead_node>``). Pure."""
+    if master.results == "bind" or not dead_node:
+        return None
+    return (f"node.id=={dead_node}",)
+
+
 def _holds_master(master: Placement, node: NodeInfo) -> bool:
     """Whether ``node`` matches the master's constraint (``node.id==X`` or the storage label); any node does
     when the master has none."""

@@ -297,10 +297,16 @@ class SwarmEngine:
         return b"".join(list(chunks)) + (f"[launcher: the rest of this output is unavailable: the engine sent "
                                          f"nothing more within {deadline_s:.0f} s (a task on a lost node?)]\n").encode()
 
-    def force_update(self, service_id: str) -> None:
-        """A new task for the service (like ``docker service update --force``): a manual restart."""
-        engine_call(f"restart service {service_id[:12]}",
-                    lambda: self.client.services.get(service_id).force_update())
+    def force_update(self, service_id: str, *, constraints: tuple[str, ...] | None = None) -> None:
+        """A new task for the service (like ``docker service update --force``): a manual restart. ``constraints``:
+        replace the service's placement constraints in the same update (``--constraint-add``), None keeps them."""
+        def update() -> Any:
+            svc = self.client.services.get(service_id)
+            if constraints is None:
+                return svc.force_update()
+            return svc.update(constraints=list(constraints), force_update=True, fetch_current_spec=True)
+
+        engine_call(f"restart service {service_id[:12]}", update)
 
     def scale_to_zero(self, service_id: str) -> None:
         try:
@@ -346,10 +352,17 @@ class SwarmEngine:
 
     def copy_volume(self, volume: str, dest: Path, image: str, user: str, run_id: str) -> bool:
         """Copy ``results/`` of a named volume on this node into ``dest`` (a throw-away container running as
-        ``user``). False when the volume is not on this node."""
+        ``user``). False when the volume is not on this node or the copy failed; True, copying nothing, when the
+        master never wrote ``results/`` (killed before its first file: there is nothing to keep)."""
         if not self.volume_exists(volume):
             return False
-        code = "import shutil; shutil.copytree('/src/results', '/dst', dirs_exist_ok=True)"
+        # Entry by entry, so ``dest`` itself keeps its owner's mode (copytree would copystat it: EPERM when the
+        # helper's user does not own it).
+        code = ("import os, shutil\n"
+                "src = '/src/results'\n"
+                "for name in sorted(os.listdir(src)) if os.path.isdir(src) else []:\n"
+                "    a, b = os.path.join(src, name), os.path.join('/dst', name)\n"
+                "    shutil.copytree(a, b, dirs_exist_ok=True) if os.path.isdir(a) else shutil.copy2(a, b)\n")
         return self.engine.run_once(image, ["python", "-c", code], user=user,
                                     labels={RUN_LABEL: run_id, ROLE_LABEL: "copy"},
                                     mounts=[("volume", volume, "/src", True), ("bind", str(dest.resolve()), "/dst", False)])

@@ -179,11 +179,12 @@ def test_task_states_map_to_part_states_with_the_swarms_restart_policy(tasks: li
 
 
 class ScriptedSwarm:
-    """Stands in for the swarm's API in the one test below: answers ``tasks`` from a script, records scaling."""
+    """Stands in for the swarm's API in the tests below: answers ``tasks`` from a script, records scaling."""
 
     def __init__(self, script: list[dict[str, list[TaskInfo]]]) -> None:
         self.script = script
         self.scaled: list[str] = []
+        self.updated: list[tuple[str, tuple[str, ...] | None]] = []
 
     def tasks(self, ids: list[str]) -> dict[str, list[TaskInfo]]:
         return self.script.pop(0)
@@ -193,6 +194,9 @@ class ScriptedSwarm:
 
     def scale_to_zero(self, sid: str) -> None:
         self.scaled.append(sid)
+
+    def force_update(self, sid: str, *, constraints: tuple[str, ...] | None = None) -> None:
+        self.updated.append((sid, constraints))
 
 
 @pytest.mark.parametrize("code,scaled", [(5, True), (4, True), (137, False)])
@@ -219,6 +223,33 @@ def test_a_group_that_exited_4_or_5_is_scaled_to_zero_and_stays_failed(tmp_path:
         assert backend.swarm.scaled == ["g0"]  # type: ignore[attr-defined]  # once
     else:
         assert first.groups[0].state == PartState.RESTARTING
+
+
+@pytest.mark.parametrize("choice,pin", [("local", None), ("any", ("node.id==n1",))])
+def test_a_dead_master_gets_a_new_task_where_its_checkpoints_are(tmp_path: Path, choice: str,
+                                                                 pin: tuple[str, ...] | None) -> None:
+    """Issue 27: the dead master task (exit 137, read as SIGKILL) is reported once; restart_master asks for a new
+    task (a bound results directory keeps the placement, a volume pins the dead task's node), and until the swarm
+    lists it the master is STARTING, not dead a second time; the new task counts as a restart."""
+    from launcher.recovery import death_signal
+
+    backend = sw.SwarmBackend(image="img")
+    backend.run = prepared(tmp_path)
+    backend.placement = specs.master_placement(choice, [node("n1")], "n1")
+    backend.master_service, backend.group_services = "m", {0: "g0"}
+    dead, running = [task("failed", 137)], [task("running")]
+    fake = ScriptedSwarm([{"m": dead, "g0": running}, {"m": dead}, {"m": dead, "g0": running},
+                          {"m": [*dead, task("running", at=1)], "g0": running}])
+    backend.swarm = fake  # type: ignore[assignment]
+    assert sw.SwarmBackend.recovers_master
+    first = backend.poll()
+    assert first.master.state == PartState.FAILED and death_signal(first.master.exit_code) == signal.SIGKILL
+    backend.restart_master()
+    assert fake.updated == [("m", pin)]
+    assert backend.poll().master.state == PartState.STARTING, "the dead task is not judged twice"
+    after = backend.poll().master
+    assert (after.state, after.restarts) == (PartState.RUNNING, 1)
+    assert specs.recovery_constraints(specs.master_placement("any", [node("n1")], "n1"), "") is None
 
 
 def test_start_problems_name_the_missing_image_and_the_missing_resources() -> None:
@@ -432,6 +463,67 @@ def test_solves_cartpole_on_a_swarm_through_a_killed_task(launcher_image: str, s
 
 
 @pytest.mark.docker
+@pytest.mark.slow
+def test_a_killed_master_task_is_replaced_in_place_and_the_run_finishes(launcher_image: str, swarm: SwarmEngine,
+                                                                        swarm_runs_under: Path) -> None:
+    """Issue 27 on a swarm: the master task's container SIGKILLed on its node's engine (as the OOM killer would)
+    is replaced by a new task of the same service, which restores the newest checkpoint; the groups' tasks
+    (same containers, same start times) reconnect to it by the service's name, and the run finishes."""
+    root = swarm_runs_under
+    env, _ = as_invoker()
+    proc = subprocess.Popen(
+        launcher_cmd("up", "--backend", "swarm", "--image", launcher_image, "--workers", "2", "--groups", "2",
+                     "--env", "CartPole-v1", "--max-steps", "40000", "--checkpoint-every", "5",
+                     "--results", str(root), "--json"),
+        cwd=ROOT, env=child_env(**env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        run = wait_for(lambda: next(iter(run_dirs(root)), None), 30, "the run directory")
+        run_id = run.name
+        wait_for(lambda: ((status_of(run).get("checkpoint") or {}).get("updates") or 0) >= 5, 150, "a checkpoint")
+        groups = {g: _running_container(swarm, group_name(run_id, g)) for g in (0, 1)}
+        dead = _running_container(swarm, master_name(run_id))
+        swarm.engine.kill(dead["Id"])
+        t_kill = time.monotonic()
+        (failed,) = wait_for(lambda: [t for t in _tasks(swarm, master_name(run_id))
+                                      if t.container_id == dead["Id"] and t.state == "failed"] or None, 30,
+                             "the dead master's task to fail")
+        assert failed.exit_code == 128 + signal.SIGKILL, "death_signal reads 128+N as signal N"
+
+        def recovered() -> bool:
+            st = status_of(run)
+            return len(st.get("recoveries") or []) == 1 and all(
+                g.get("connected") for g in (st.get("groups") or {}).values())
+
+        wait_for(lambda: recovered() or proc.poll() is not None, 120, "a new master task and both groups back")
+        print(f"\n[recovery swarm] new master task up and both groups back {time.monotonic() - t_kill:.1f} s "
+              "after the kill")
+        new = _running_container(swarm, master_name(run_id))
+        assert new["Id"] != dead["Id"] and new["Name"] != dead["Name"]
+        for g, before in groups.items():
+            now = swarm.engine.inspect_raw(before["Id"])
+            assert now["State"]["StartedAt"] == before["State"]["StartedAt"], f"group {g} was restarted"
+            assert [t.container_id for t in _tasks(swarm, group_name(run_id, g))] == [before["Id"]]
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            proc.wait(timeout=60)
+    assert proc.returncode == 0, err[-4000:]
+    assert "the master died (killed by SIGKILL" in err and "the new master is up" in err
+    print("[recovery swarm]", next(line for line in err.splitlines() if "the new master is up" in line))
+    result = json.loads(out)
+    assert result["state"] == "finished" and result["summary"]["outcome"] == "max_steps"  # trained on to the end
+    assert result["summary"]["env_steps"] >= 40000
+    (rec,) = result["summary"]["recoveries"]
+    assert rec["checkpoint"] and rec["restored_updates"] >= 5 and rec["steps_lost"] >= 0, rec
+    assert not any(result["restarts"].values()) and result["lost_groups"] == []
+    events = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert sum(e.get("event") == "master_recovered" for e in events) == 1
+    assert read_json(run / "run.json")["master_recoveries"][0]["signal"] == "SIGKILL"
+    assert _ours(swarm, root) == [], "the attached up removes its services, network and secret"
+
+
+@pytest.mark.docker
 def test_detached_run_with_results_in_a_volume_then_down(launcher_image: str, swarm: SwarmEngine,
                                                          swarm_runs_under: Path) -> None:
     """--swarm-master any: the master's results go to a named volume; `down` stops the master first, keeps
@@ -480,6 +572,34 @@ def test_detached_run_with_results_in_a_volume_then_down(launcher_image: str, sw
     assert again.returncode == 0 and "nothing was running" in again.stdout
     st = json.loads(run_launcher("status", run.name, "--json", *common, timeout=30).stdout)
     assert st["state"] == "interrupted" and st["parts"] == []
+
+
+@pytest.mark.docker
+def test_a_new_master_task_with_results_in_a_volume_is_pinned_to_its_node(launcher_image: str, swarm: SwarmEngine,
+                                                                          swarm_runs_under: Path) -> None:
+    """With ``--swarm-master any`` the checkpoints are in a volume on the dead task's node: the new task is pinned
+    there by the same update that starts it (the real engine call), with the same volume."""
+    backend = sw.SwarmBackend(launcher_image, engine=swarm.engine, master_placement="any")
+    run = prepared(swarm_runs_under, workers=2)
+    try:
+        backend.start(run)
+        dead = _running_container(swarm, master_name(run.run_id))
+        swarm.engine.kill(dead["Id"])
+        st = wait_for(lambda: (lambda s: s if s.master.state == PartState.FAILED else None)(backend.poll()), 30,
+                      "the master's task to fail")
+        assert st.master.exit_code == 128 + signal.SIGKILL
+        backend.restart_master()
+        assert backend.poll().master.state in (PartState.STARTING, PartState.RUNNING)
+        new = _running_container(swarm, master_name(run.run_id))
+        assert new["Id"] != dead["Id"]
+        spec = _service(swarm, master_name(run.run_id))["Spec"]["TaskTemplate"]
+        assert spec["Placement"]["Constraints"] == [f"node.id=={swarm.local_node()}"]
+        assert [(m["Type"], m["Source"]) for m in spec["ContainerSpec"]["Mounts"]] == [
+            ("volume", specs.volume_name(run.run_id))]
+        assert wait_for(lambda: backend.poll().master.state == PartState.RUNNING or None, 30, "the new task")
+        assert backend.poll().master.restarts == 1
+    finally:
+        backend.stop(grace_s=1)
 
 
 @pytest.mark.docker
@@ -541,3 +661,27 @@ def test_swarm_teardown_leaves_a_docker_run_alone(swarm: SwarmEngine, swarm_runs
         assert swarm.engine.networks({dc.RUN_LABEL: rid}), "a bridge network is not the swarm's to remove"
     finally:
         swarm.engine.remove_network(nid)
+
+
+@pytest.mark.docker
+def test_a_results_volume_the_master_never_wrote_is_copied_as_nothing(launcher_image: str, swarm: SwarmEngine,
+                                                                      swarm_runs_under: Path, docker_client: Any) -> None:
+    """A master killed before its first file leaves a volume with no ``results/``: the copy succeeds with nothing
+    to copy, so the volume is removed instead of left behind "with the results" (the CI run of 8d5477f left
+    one); once ``results/`` exists, its files are copied."""
+    rid = f"test-{os.urandom(3).hex()}"
+    dest = swarm_runs_under / rid
+    dest.mkdir()
+    dest.chmod(0o777)
+    vol = docker_client.volumes.create(specs.volume_name(rid), labels={
+        dc.RUN_LABEL: rid, dc.RESULTS_LABEL: str(dest.resolve())})
+    try:
+        assert swarm.copy_volume(vol.name, dest, launcher_image, "10001:10001", rid)
+        assert list(dest.iterdir()) == []
+        write = "import os; os.makedirs('/v/results'); open('/v/results/summary.json', 'w').write('{}')"
+        assert swarm.engine.run_once(launcher_image, ["python", "-c", write], user="0:0",
+                                     labels={dc.RUN_LABEL: rid}, mounts=[("volume", vol.name, "/v", False)])
+        assert swarm.copy_volume(vol.name, dest, launcher_image, "10001:10001", rid)
+        assert (dest / "summary.json").read_text() == "{}"
+    finally:
+        vol.remove(force=True)

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from launcher.backends.base import PartState
-from launcher.backends.slurm_parts import step_gpus_printed, step_number, step_part
+from launcher.backends.slurm_parts import master_port_written, step_gpus_printed, step_number, step_part
 from launcher.backends.slurm_specs import (SlurmRequest, job_part, node_lost_at, parse_gpus, part_of_step, plan_slurm,
                                            restart_node, sbatch_args, slot_nodes, srun_args, step_env, step_name,
                                            task_command, time_limit)
@@ -257,6 +257,17 @@ def test_a_step_reads_back_as_its_number_its_gpus_and_a_part() -> None:
     ended = step_part("master", started=True, code=0, lost="", lost_now=True, **common)
     assert (ended.state, ended.status, ended.exit_code) == (PartState.EXITED, "exited 0", 0)
     assert step_part("group-1", started=True, code=3, lost="", lost_now=False, **common).state is PartState.FAILED
+
+
+def test_a_new_master_takes_the_port_the_dead_one_wrote_and_nothing_else() -> None:
+    """master.addr is the run's file (untrusted): one line HOST:PORT on the address the master was told to bind."""
+    assert master_port_written(b"10.216.0.11:41234\n", "10.216.0.11") == 41234
+    assert master_port_written(b"10.216.0.11:41234", "10.216.0.11") == 41234
+    for bad in (b"", b"\n", b"10.216.0.12:41234\n", b"10.216.0.11:0\n", b"10.216.0.11:70000\n", b"10.216.0.11:\n",
+                b"10.216.0.11:41234\n10.216.0.11:41235\n", b"unix:/tmp/x.sock\n", b"10.216.0.11:41234 \n",
+                b"10.216.0.11:4\xff\n", b"x" * 600):
+        with pytest.raises(ValueError):
+            master_port_written(bad, "10.216.0.11")
 
 
 def test_missing_clients_and_configuration_are_exit_6_with_what_to_do(tmp_path: Path,

@@ -55,7 +55,8 @@ class ScriptedBackend(Backend):
     (seconds after each (re)start it dies, its exit code). ``outage``: (from, to) the engine does not answer.
     ``signal_at``: (when, signal) delivered to this process, as a user's Ctrl-C or ``kill`` would.
     ``master_kills``: seconds after each master (re)start at which it is SIGKILLed (no summary written); a new
-    master comes up on ``restart_master``.
+    master comes up on ``restart_master``, unless ``recovery_blocked`` says why it cannot (the Slurm backend: the
+    master's node lost).
     """
 
     clock: Clock
@@ -67,6 +68,7 @@ class ScriptedBackend(Backend):
     master_kills: list[float] = field(default_factory=list)
     master_restarts: int = 0
     master_started: float = 0.0
+    recovery_blocked: str | None = None
     run: PreparedRun | None = None
     started_at: dict[int, float] = field(default_factory=dict)
     restarted: dict[int, int] = field(default_factory=dict)
@@ -107,6 +109,9 @@ class ScriptedBackend(Backend):
             groups[i] = Part(f"group-{i}", PartState.FAILED if dead else PartState.RUNNING,
                              exit_code=code if dead else None, restarts=self.restarted[i])
         return BackendStatus(master, groups)
+
+    def master_recovery_blocked(self) -> str | None:
+        return self.recovery_blocked
 
     def restart_master(self) -> None:
         self.master_kills.pop(0)
@@ -279,7 +284,7 @@ def test_a_master_that_dies_again_and_again_right_after_its_start_ends_the_run(t
     assert "launcher up --resume" in s.result.message
 
 
-@pytest.mark.parametrize("case", ["recorded an end", "exit code", "off", "backend"])
+@pytest.mark.parametrize("case", ["recorded an end", "exit code", "off", "backend", "node lost"])
 def test_a_master_is_not_replaced_when_a_new_one_would_end_the_same_way(tmp_path: Path, case: str) -> None:
     backend = ScriptedBackend(Clock(), master_kills=[20.0])
     config: dict[str, Any] = {}
@@ -289,6 +294,8 @@ def test_a_master_is_not_replaced_when_a_new_one_would_end_the_same_way(tmp_path
         backend = ScriptedBackend(Clock(), master_ends=(20.0, 1, "failed"))
     elif case == "off":
         config["master_restarts"] = 0
+    elif case == "node lost":  # Slurm: a new master elsewhere would be at an address no group dials
+        backend.recovery_blocked = "the master's node is lost (node node1 lost at 2026-11-28T12:00:00)"
     else:
         backend.recovers_master = False  # type: ignore[misc]
     s = supervised(tmp_path, backend, **config)
@@ -298,3 +305,5 @@ def test_a_master_is_not_replaced_when_a_new_one_would_end_the_same_way(tmp_path
         assert "not replaced: --master-restarts is 0" in s.result.message
     if case == "backend":
         assert "not replaced: the scripted backend does not replace a dead master" in s.result.message
+    if case == "node lost":
+        assert "not replaced: the master's node is lost (node node1 lost at" in s.result.message
