@@ -18,12 +18,12 @@ import signal
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from launcher import backends
-from launcher.backends.base import DownReport, FoundRun, Part, name_order
+from launcher.backends.base import DownReport, FoundRun, Part, PartState, name_order
 from launcher.errors import BadInput
 from launcher.procs import belongs, holds_flock, send_signal, wait_gone
 from launcher.runs import RunDir, error_line, find_run, list_runs, owner_uid_gid
@@ -55,6 +55,8 @@ class RunView:
     gpu_watch: dict[str, Any] = field(default_factory=dict)  # run.json's: foreign processes on its GPUs
     outcome: Outcome | None = None  # the master's, once the run ended
     part_errors: dict[str, str] = field(default_factory=dict)  # what a part that stopped raised last, by name
+    elastic: dict[str, Any] = field(default_factory=dict)  # run.json's: an elastic run's groups and yields
+    gpus_from: list[Any] = field(default_factory=list)  # run.json's: the elastic runs that gave this one its GPUs
 
     @property
     def live(self) -> bool:
@@ -80,6 +82,9 @@ class RunView:
             "foreign_processes": self.gpu_watch.get("foreign_processes", []),
             # Masters that died by a signal and were replaced in place (issue 27), as the newest master says.
             "recoveries": s.get("recoveries", self.summary.get("recoveries")) or [],
+            # An elastic run (launcher.elastic): its minimum, each group's state, the yields and regrowths.
+            "elastic": self.elastic or None,
+            "gpus_from": self.gpus_from,
         }
 
 
@@ -121,6 +126,14 @@ def observe(found: FoundRun, parts: list[Part] | None = None) -> Seen:
                 master_exit=master.exit_code if master is not None and not master.state.alive else None)
 
 
+def _as_yielded(part: Part, elastic: dict[str, Any]) -> Part:
+    """A group an elastic run gave up for a queued run (run.json's ``elastic``) is shown yielded, not exited."""
+    groups: dict[str, Any] = elastic["groups"] if isinstance(elastic.get("groups"), dict) else {}
+    if part.group is not None and not part.state.alive and groups.get(str(part.group)) == "yielded":
+        return replace(part, state=PartState.YIELDED, status="yielded")
+    return part
+
+
 def view_run(found: FoundRun) -> RunView:
     """What a found run is doing now: its record, the master's status and the backend's parts, its state as
     :func:`launcher.runstate.derive_state` says."""
@@ -128,11 +141,15 @@ def view_run(found: FoundRun) -> RunView:
     backend = str(record.get("backend", found.backend))
     view = RunView(found.run_id, rd.path if rd else None, backend, RunState.UNKNOWN,
                    gpu_watch=record.get("gpu_watch") or {})
+    if isinstance(record.get("elastic"), dict):
+        view.elastic = record["elastic"]
+    if isinstance(record.get("gpus_from"), list):
+        view.gpus_from = [n for n in record["gpus_from"] if isinstance(n, dict)]
     if rd is not None:
         # Written by the run's containers: typed and printable before anything is shown (launcher.rundata).
         view.status = status_doc(read_json_at(rd.files.status))
         view.summary = summary_doc(read_json_at(rd.files.summary))
-    view.parts = found.parts()
+    view.parts = [_as_yielded(p, view.elastic) for p in found.parts()]
     derived = derive_state(found.run_id, record, view.summary, observe(found, view.parts))
     view.state, view.outcome, view.note = derived.state, derived.outcome, derived.note
     if not found.unreachable:

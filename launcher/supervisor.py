@@ -190,6 +190,7 @@ def supervise(run: PreparedRun, backend: Backend, *, on_event: Event | None = No
     failure: BaseException | None = None
     message = ""
     watch = None
+    elastic = None  # launcher.elastic.Elastic of an elastic run: yields groups to the queue, grows them back
     outage: float | None = None  # since when the backend's engine has not answered
     run.run_dir.update_record(state=state.value, **{**backend.describe(), **launcher_record()})
     try:
@@ -204,6 +205,10 @@ def supervise(run: PreparedRun, backend: Backend, *, on_event: Event | None = No
         from launcher.gpu import watch as gpu_watch  # NVML only for runs on GPUs
 
         watch = gpu_watch.start_for(run.run_id, run.plan.gpu_uuids, backend=backend.name)
+        from launcher import elastic as elastic_mod  # an elastic run, or one given GPUs by elastic runs
+
+        elastic = elastic_mod.for_run(run, backend, emit) if run.elastic_min else None
+        arrival = elastic_mod.Arrival(run)
         emit("event", {"message": f"run {run.run_id} started on the {backend.name} backend "
                                   f"({run.plan.total_workers} workers in {len(run.plan.groups)} groups)"})
         while True:
@@ -227,6 +232,9 @@ def supervise(run: PreparedRun, backend: Backend, *, on_event: Event | None = No
             if outage is not None:
                 emit("event", {"message": f"the engine answers again after {clock() - outage:.1f} s"})
                 outage = None
+            if elastic is not None and st.master.state.alive:
+                elastic.review(st)
+            arrival.tell()
             if watch is not None:  # foreign processes on the run's GPUs: an event and run.json's gpu_watch
                 watch.review(emit, run.run_dir.update_record)
             status = status_doc(read_json_at(run.run_dir.files.status))  # the run's to write: typed first
@@ -268,6 +276,8 @@ def supervise(run: PreparedRun, backend: Backend, *, on_event: Event | None = No
     finally:
         if watch is not None:
             watch.stop()
+        if elastic is not None:
+            elastic.close()
         run.run_dir.update_record(state=RunState.STOPPING.value)
         emit("event", {"message": "stopping: master first (final checkpoint), then the worker groups"})
         try:

@@ -92,6 +92,10 @@ def prepare(cfg: RunConfig, stack: ExitStack, *, report: Callable[[str], None] |
     if cfg.detach and not chosen.outlives_launcher:
         raise BadInput(f"--detach needs the docker backend ({why}): the {backend_name} backend's processes die with "
                        f"the launcher", hint=chosen.detach_hint)
+    if cfg.elastic not in (None, "off") and not chosen.elastic:
+        raise BadInput(f"--elastic {cfg.elastic}: the {backend_name} backend ({why}) cannot shrink and regrow a run's "
+                       "worker groups (the scheduler places and preempts there); the process and docker backends can",
+                       hint="add --backend process or --backend docker, or leave out --elastic")
     if cfg.resume:
         run_dir = find_run(cfg.results, cfg.resume)
         run_id = run_dir.run_id
@@ -103,6 +107,7 @@ def prepare(cfg: RunConfig, stack: ExitStack, *, report: Callable[[str], None] |
     plan, reservation = backend.make_plan(cfg, run_id, report=report)  # report: --wait's queue lines
     if reservation is not None:
         stack.callback(reservation.release)
+    elastic_min = elastic_for(cfg, plan, reservation, chosen.elastic, report)
     backend.preflight(plan)
     # Where the groups will run (this Python, or the run's image), before any of the run's files or containers.
     backend.check_env(cfg, plan, run_id)
@@ -112,7 +117,8 @@ def prepare(cfg: RunConfig, stack: ExitStack, *, report: Callable[[str], None] |
         stack.callback(os.close, claim_live(run_dir))
     spec = build_spec(cfg, plan, run_id, run_dir.path)
     secret = new_secret()
-    run = PreparedRun(config=cfg, plan=plan, spec=spec, run_dir=run_dir, secret=secret, reservation=reservation)
+    run = PreparedRun(config=cfg, plan=plan, spec=spec, run_dir=run_dir, secret=secret, reservation=reservation,
+                      elastic_min=elastic_min)
     files = run_dir.files
     config_doc = {"schema": "launcher.config/v1", **cfg.to_dict(), "backend_chosen": backend_name, "backend_reason": why}
     plan_doc = plan_record(plan, backend.specs(run))
@@ -133,6 +139,12 @@ def prepare(cfg: RunConfig, stack: ExitStack, *, report: Callable[[str], None] |
         files.summary.unlink(missing_ok=True)
         run_dir.update_record(run_id=run_id, env_id=cfg.env_id, algo=cfg.algo, workers=cfg.workers,
                               backend=backend_name, resumed=bool(cfg.resume), results=str(run_dir.path))
+        given = yielded_to(cfg, run_id) if reservation is not None and cfg.wait_s is not None else []
+        if given:  # an elastic run gave this one its GPUs: both runs' records say so
+            run_dir.update_record(gpus_from=[n.to_dict() for n in given])
+            for note in given:
+                if report is not None:
+                    report(f"got GPUs from an elastic run: {note.describe()}")
     except OSError as exc:  # a full or failing file system: say so, and leave no half-made run behind
         if created:
             shutil.rmtree(run_dir.path, ignore_errors=True)
@@ -140,6 +152,27 @@ def prepare(cfg: RunConfig, stack: ExitStack, *, report: Callable[[str], None] |
         raise BadInput(f"cannot write the run's files in {run_dir.path}: {exc.strerror or exc}",
                        hint="free space on that file system, or choose another --results root") from None
     return Prepared(run, backend, why)
+
+
+def yielded_to(cfg: RunConfig, run_id: str) -> list[Any]:
+    """The yield notes of elastic runs that gave their GPUs to ``run_id`` (:mod:`launcher.gpu.elastic`)."""
+    from launcher.gpu import elastic, reservations
+
+    return [n for n in elastic.read_notes(reservations.lease_dir(cfg.lock_dir).queue) if n.to_run == run_id]
+
+
+def elastic_for(cfg: RunConfig, plan: Plan, reservation: Any, backend_elastic: bool,
+                report: Callable[[str], None] | None) -> int | None:
+    """The fewest groups the run may shrink to (``--elastic``, or the site policy's default), None when it is not
+    elastic. A CPU plan holds no GPU to yield: ``--elastic`` is then said to do nothing."""
+    if plan.kind != "gpu" or reservation is None:
+        if cfg.elastic not in (None, "off") and report is not None:
+            report(f"--elastic {cfg.elastic} does nothing here: the plan holds no GPU lease to yield")
+        return None
+    from launcher.gpu.policy import elastic_minimum, load_policy
+
+    minimum = elastic_minimum(cfg.elastic, len(plan.groups), load_policy())
+    return minimum if backend_elastic else None
 
 
 def plan_record(plan: Plan, specs: LaunchSpecs) -> dict[str, Any]:

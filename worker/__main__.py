@@ -5,6 +5,8 @@ from ``LAUNCHER_SECRET`` / ``LAUNCHER_SECRET_FILE``. ``LAUNCHER_MASTER_ADDR`` (h
 a group dials. Exit codes (named in :mod:`worker.contract`): 0 finished/stopped, 1 failed, 2 bad spec, 3 master
 unreachable, 4 the master refused the group's secret, 5 the algorithm's code raised in the group (the supervisor
 restarts neither 4 nor 5, and neither spends the restart budget), 75 a GPU lease was taken by another run.
+A master whose run's ``summary.json`` already records an end exits 0 at once, touching nothing: the engine's
+``on-failure`` policy of a detached Docker run restarted it after it failed (:func:`ended_already`).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import os
 import sys
 from typing import NoReturn
 
-from worker.contract import EXIT_BAD_SPEC, EXIT_FAILED, LOG_LEVEL_ENV, MASTER_ADDR_ENV, parse_addr
+from worker.contract import EXIT_BAD_SPEC, EXIT_FAILED, EXIT_OK, LOG_LEVEL_ENV, MASTER_ADDR_ENV, parse_addr
 
 
 def _load_spec(path: str | None):  # -> RunSpec
@@ -37,10 +39,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--spec", default=None, help="run spec JSON file (default: $LAUNCHER_SPEC)")
     parser.add_argument("--log-level", default=os.environ.get(LOG_LEVEL_ENV, "INFO"))
     args = parser.parse_args(argv)
-    if args.role == "master":  # before any heavy import: the run's GPU leases live as long as this process
-        from worker.lease import hold_from_env
+    if args.role == "master" and (ended := ended_already(args.spec)) is not None:
+        sys.stderr.write(ended + "\n")
+        return EXIT_OK  # 0: the engine's on-failure policy stops restarting it
+    # Before any heavy import: the run's GPU leases live as long as this process (the master's; an elastic run's
+    # groups hold those of the GPUs the master does not use, launcher.backends.docker_elastic).
+    from worker.lease import hold_from_env
 
-        hold_from_env()
+    hold_from_env()
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format=f"%(asctime)s {args.role}{'' if args.index is None else args.index} %(levelname)s %(message)s")
     for noisy in ("absl", "tensorflow", "h5py", "matplotlib"):
@@ -95,6 +101,28 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("worker").exception("group %d failed", args.index)
         say_fatal(exc, where)
         return EXIT_FAILED
+
+
+def ended_already(spec_path: str | None) -> str | None:
+    """Why this master must not start: its run's ``summary.json`` already records an end (the engine restarted a
+    detached run's master that raised and exited 1: :func:`worker.recovery.recorded_end`), or None. Checked before
+    the leases are taken and anything is read or written: the checkpoints and ``summary.json`` stay as they are.
+    A spec that cannot be read is left to the normal start, which reports it."""
+    from pathlib import Path
+
+    from worker.contract import RunFiles
+    from worker.recovery import recorded_end
+
+    try:
+        spec = _load_spec(spec_path)
+    except (ValueError, OSError, RuntimeError):
+        return None
+    outcome = recorded_end(RunFiles(Path(spec.results_dir)).summary, spec.run_id)
+    if outcome is None:
+        return None
+    return (f"master: run {spec.run_id} already ended (summary.json: outcome {outcome}); not training it again "
+            f"(a restart after its end, by the engine's restart policy); `launcher status {spec.run_id}` says how it "
+            f"ended, `launcher down {spec.run_id}` then `launcher up --resume {spec.run_id}` continues it")
 
 
 def say_fatal(exc: BaseException, where: str) -> None:

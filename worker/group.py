@@ -104,11 +104,15 @@ class WorkerGroup:
         self.groups_wait = False
         self.state = GroupState.CONNECTING
         self._stop = threading.Event()
+        self._yielding = False  # asked to leave for good: an elastic run gives this group's GPUs to another run
         self.connects = 0
         self._refusals = 0  # frames of the master refused in a row since the group last played: reconnects wait
         self.rejected: collections.Counter[str] = collections.Counter()  # what this group refused, by reason
 
-    def request_stop(self) -> None:
+    def request_stop(self, *, yielding: bool = False) -> None:
+        """Stop at the next payload boundary (the segment being collected is sent first). ``yielding``: an
+        elastic run gives this group's GPUs away; the goodbye says so and the master counts it as a yield."""
+        self._yielding = self._yielding or yielding
         self._stop.set()
 
     # ------------------------------------------------------------------------------------------ connect
@@ -289,7 +293,7 @@ class WorkerGroup:
                 done.set()
                 if self._stop.is_set():
                     try:
-                        conn.send(MsgType.BYE, {})
+                        conn.send(MsgType.BYE, {"reason": "yield"} if self._yielding else {})
                     except (OSError, TimeoutError):
                         pass
                 conn.close()
@@ -369,3 +373,5 @@ def install_signal_handlers(group: WorkerGroup) -> None:
 
     signal.signal(signal.SIGTERM, handler)
     signal.signal(signal.SIGINT, handler)
+    # SIGUSR2: the launcher of an elastic run takes this group's GPUs back for a queued run (launcher.elastic).
+    signal.signal(signal.SIGUSR2, lambda signum, frame: group.request_stop(yielding=True))

@@ -292,7 +292,7 @@ class LinkServer:
             if msg.type == MsgType.BYE:
                 if msg.fields.get("error"):  # the group's algorithm code raised: the master ends the run
                     self.on_message(link, msg)
-                return "bye"
+                return "yielded" if msg.fields.get("reason") == "yield" else "bye"
             if msg.type == MsgType.TRAJ:
                 self.on_message(link, msg)
                 continue

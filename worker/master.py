@@ -151,11 +151,12 @@ class Master(Starting):
                 return
 
     def _on_leave(self, link: GroupLink, reason: str) -> None:
-        self.tally.left(link.group)
+        yielded = reason == "yielded"  # its elastic run gave its GPUs to a queued run; the rounds go on without it
+        self.tally.left(link.group, yielded=yielded)
         if not self._stop.is_set():
             log.info("group %d left: %s", link.group, reason)
-            self.metrics.write({"type": "event", "t": time.time(), "event": "group_left", "group": link.group,
-                                "reason": reason})
+            self.metrics.write({"type": "event", "t": time.time(), "event": "group_yielded" if yielded else
+                                "group_left", "group": link.group, "reason": reason})
 
     # ------------------------------------------------------------------------------ learning (main thread)
     def _drain_inbox(self) -> None:

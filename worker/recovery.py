@@ -7,7 +7,15 @@ intact checkpoint as any master does, then reads the dead one's last status here
 when, from which checkpoint, and how many env steps the dead master had counted past it (the steps lost).
 The record goes into ``status.json`` and ``summary.json`` (``recoveries``), ``metrics.jsonl`` (an event) and
 TensorBoard (``recovery/*``). A master started by ``launcher up --resume`` after a killed run records the
-same, which is what happened.
+same, which is what happened. A detached Docker run's master is restarted by the engine instead (its
+``on-failure`` policy, :func:`launcher.backends.docker_specs.master_restart_max`): the same container, the same
+``/results``, so the same ``status.json`` is read here.
+
+That policy restarts any non-zero exit, a master that recorded its end (``summary.json``: it raised and exited 1)
+included. Such a master must not train again: :func:`recorded_end` is what ``python -m worker master`` checks
+first, and it exits 0 at once when the run already ended (the engine stops restarting it, ``summary.json`` and the
+checkpoints stay as they were, and ``launcher status`` still reads the outcome). ``launcher up --resume`` deletes
+``summary.json`` before its master starts, so a resumed run is not affected.
 """
 
 from __future__ import annotations
@@ -36,6 +44,22 @@ def previous_master(status_path: Path) -> dict[str, Any] | None:
     if not isinstance(doc, dict) or doc.get("state") not in LIVE_MASTER_STATES:
         return None
     return doc
+
+
+def recorded_end(summary_path: Path, run_id: str) -> str | None:
+    """The outcome run ``run_id``'s ``summary.json`` records (a master of this run ended it), or None: no file,
+    unreadable, another run's, or no outcome named. A master that starts with one is a restart after the end."""
+    from worker.ending import Outcome
+
+    try:
+        with open(summary_path, "rb") as f:
+            doc = json.loads(f.read(1 << 20))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(doc, dict) or doc.get("run_id", run_id) != run_id:
+        return None
+    outcome = Outcome.parse(doc.get("outcome"))
+    return outcome.value if outcome is not None else None
 
 
 def _count(value: Any) -> int:

@@ -54,6 +54,7 @@ class GroupStats:
         self.returns: collections.deque[float] = collections.deque(maxlen=100)
         self.connected = False
         self.connects = 0
+        self.yields = 0  # times it left because its elastic run gave its GPUs to a queued run
         self.rate = RateMeter()
 
 
@@ -91,11 +92,12 @@ class Tally:
             st.connects += 1
             return st.connects
 
-    def left(self, group: int) -> None:
+    def left(self, group: int, *, yielded: bool = False) -> None:
         with self._lock:
             st = self.groups.get(group)
             if st:
                 st.connected = False
+                st.yields += int(yielded)
 
     def experience(self, group: int, workers: int, steps: int, returns: list[float]) -> None:
         """Count a segment's env steps and finished episodes."""
@@ -145,6 +147,7 @@ class Tally:
         spec = self.spec
         with self._lock:
             groups = {str(g): {"workers": st.workers, "connected": st.connected, "connects": st.connects,
+                               "yields": st.yields,
                                "env_steps": st.env_steps, "env_steps_per_s": round(st.rate.rate(), 1),
                                "mean_return": float(np.mean(st.returns)) if st.returns else None}
                       for g, st in sorted(self.groups.items())}

@@ -6,11 +6,13 @@ One run is, on the engine:
 * a bridge network ``launcher-<run id>``, created ``--internal``: containers reach each other by name,
   nothing outside (no route out, no published port unless asked);
 * a master container ``launcher-<run id>-master`` with the run's results directory bind-mounted at
-  ``/results``; it listens on 0.0.0.0:7100 of that network only;
+  ``/results``; it listens on 0.0.0.0:7100 of that network only. Killed by a signal, it is started again in place:
+  by the supervisor (:meth:`DockerBackend.restart_master`) on an attached run, by the engine's ``on-failure``
+  policy with ``--master-restarts`` on a detached one (:func:`~launcher.backends.docker_specs.master_restart_max`);
 * one container per worker group ``launcher-<run id>-group-<N>``, its GPUs handed over by UUID
   (``NVIDIA_VISIBLE_DEVICES`` and a DeviceRequest), its CPUs limited (``nano_cpus``). A group that dies is
   restarted by the supervisor within the run's restart budget (no engine restart policy, so a group that
-  exited 4 or 5 is never restarted: :func:`group_restart_max`); a detached run, which has no supervisor,
+  exited 4 or 5 is never restarted: :func:`~launcher.backends.docker_specs.group_restart_max`); a detached run, which has no supervisor,
   gets the engine's ``on-failure`` policy with the budget instead.
 
 Every container runs as the invoking user with no capabilities, ``no-new-privileges``, a read-only root
@@ -23,7 +25,6 @@ killed (:func:`teardown` is the one way they go away). Every call to the engine 
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import time
@@ -32,12 +33,13 @@ from typing import Any, Callable
 
 from launcher.backends import envcheck
 from launcher.backends.base import Backend, BackendStatus, Event, PreparedRun
-from launcher.backends.containers import (MASTER_PORT, SECRET_MOUNT, Kind, container_user, give_to, group_limits,
-                                          group_name, labels, master_limits, master_name, nano_cpus, network_name,
-                                          secret_path, worker_env, write_secret_file)
-from launcher.backends.specs import LaunchSpecs, PartSpec, binds
+from launcher.backends.containers import (MASTER_PORT, container_user, give_to, group_name, labels, master_name,
+                                          network_name, write_secret_file)
+from launcher.backends.specs import LaunchSpecs
+from launcher.backends.docker_elastic import ElasticContainers, group_leases
 from launcher.backends.docker_run import DockerRun, container_part, container_state, teardown
-from launcher.engine.client import ContainerSpec, Engine, engine_unavailable_reason
+from launcher.backends.docker_specs import container_specs, launch_specs
+from launcher.engine.client import Engine, engine_unavailable_reason
 from launcher.engine.errors import ENGINE_RESTART_WINDOW_S, EngineUnreachable, outlast_outage
 from launcher.engine.labels import RUN_LABEL, USER_LABEL
 from launcher.config import RunConfig
@@ -45,12 +47,9 @@ from launcher.errors import BadInput, MissingDependency, NoResources
 from launcher.gpu import handover
 from launcher.gpu.placement import Plan
 from launcher.runs import RunDir
-from launcher.usercode import user_code
-from worker.contract import SECRET_FILE_ENV, SPEC_ENV, RunSpec
 
 log = logging.getLogger(__name__)
 
-RESULTS_MOUNT = "/results"
 Progress = Callable[[str], None]
 
 NVIDIA_TOOLKIT_HINT = (
@@ -59,85 +58,6 @@ NVIDIA_TOOLKIT_HINT = (
     "&& sudo systemctl restart docker` (https://docs.nvidia.com/datacenter/cloud-native/container-toolkit/"
     "latest/install-guide.html); or run on CPU with --gpus none"
 )
-
-
-def container_run_spec(spec: RunSpec) -> RunSpec:
-    """The spec as the containers see it: results at /results, the master on 0.0.0.0:7100 of the run's
-    network, groups dialling the master container by name."""
-    return dataclasses.replace(spec, results_dir=RESULTS_MOUNT, master_host="0.0.0.0", master_port=MASTER_PORT,
-                               connect_host=master_name(spec.run_id))
-
-
-def container_specs(run: PreparedRun, *, image: str, gpu_runtime: bool, uid_gid: tuple[int, int] | None = None,
-                    publish_port: int | None = None,
-                    engine_cpus: int | None = None) -> tuple[ContainerSpec, list[ContainerSpec]]:
-    """The master's and each worker group's container, from the plan. Pure: no engine is asked.
-
-    Args:
-        image: the worker image.
-        gpu_runtime: whether the engine has the NVIDIA runtime; only then do containers get DeviceRequests.
-        uid_gid: who the containers run as (default: :func:`container_user`, the invoking user, never root).
-        publish_port: publish the master's port on the host's 127.0.0.1 at this port (None: not published).
-        engine_cpus: CPUs of the engine's host; a CPU limit above it is lowered to it (the engine refuses
-            more, and a plan made on this host may meet a remote engine).
-    """
-    uid, gid = uid_gid or container_user()
-    user, net, rid, results = f"{uid}:{gid}", network_name(run.run_id), run.run_id, run.results_dir
-    cspec = container_run_spec(run.spec)
-    # The secret is a file (write_secret_file) bind-mounted read-only: not in the environment or `docker inspect`.
-    # --env-dir and the --algo/--model files' directories: the same read-only mounts and PYTHONPATH for the master
-    # and every group (envcheck probed them so).
-    code = user_code(run.config)
-    secret_env = {SPEC_ENV: cspec.to_json(), SECRET_FILE_ENV: SECRET_MOUNT, **envcheck.container_env(code)}
-    secret_bind = {str(secret_path(rid)): SECRET_MOUNT, **envcheck.container_mounts(code)}
-    m = run.plan.master
-    mlim = master_limits(m)
-    # Without a lease broker the master takes the leases over from mounted lease files; with one, the broker ties
-    # them to the master's pid (DockerBackend._start_master) and the files (root 0600) are not mounted.
-    lease = (run.reservation if run.reservation is not None and run.reservation.uuids
-             and not run.reservation.brokered else None)
-    master = ContainerSpec(
-        name=master_name(rid), image=image, command=("master",),
-        environment={**secret_env, **worker_env(Kind.DOCKER, m, master_addr=None),
-                     **(handover.master_env(lease) if lease else {})},  # the master takes the GPU leases over
-        labels=labels(rid, results, "master", gpus=m.gpu_uuids, uid=uid), network=net, user=user,
-        nano_cpus=nano_cpus(m.cpus, engine_cpus), gpu_uuids=m.gpu_uuids if gpu_runtime else (), restart_max=None,
-        binds={str(results.resolve()): RESULTS_MOUNT},
-        read_only_binds={**(handover.master_mounts(lease) if lease else {}), **secret_bind},
-        ports={MASTER_PORT: publish_port} if publish_port is not None else {},
-        memory_bytes=mlim.memory_bytes, pids_limit=mlim.pids,
-    )
-    groups = []
-    for g in run.plan.groups:
-        env = worker_env(Kind.DOCKER, g.share, master_addr=f"{cspec.connect_host}:{MASTER_PORT}")
-        glim = group_limits(g.share, g.workers)
-        groups.append(ContainerSpec(
-            name=group_name(rid, g.index), image=image, command=("group", "--index", str(g.index)),
-            environment={**secret_env, **env},
-            labels=labels(rid, results, "group", group=g.index, gpus=g.share.gpu_uuids, uid=uid),
-            network=net, user=user, nano_cpus=nano_cpus(g.share.cpus, engine_cpus),
-            gpu_uuids=g.share.gpu_uuids if gpu_runtime else (), restart_max=group_restart_max(run),
-            read_only_binds=secret_bind, memory_bytes=glim.memory_bytes, pids_limit=glim.pids,
-        ))
-    return master, groups
-
-
-def launch_specs(run: PreparedRun, master: ContainerSpec, groups: list[ContainerSpec]) -> LaunchSpecs:
-    """The containers :func:`container_specs` gives, as :class:`~launcher.backends.specs.LaunchSpecs`. Pure."""
-    def part(name: str, cs: ContainerSpec, share: Any) -> PartSpec:
-        return PartSpec(name, tuple(cs.command), dict(cs.environment), mounts=binds(cs.binds, cs.read_only_binds),
-                        gpu_uuids=tuple(share.gpu_uuids), cpus=share.cpus, image=cs.image)
-
-    return LaunchSpecs("docker", (part("master", master, run.plan.master),
-                                  *(part(f"group-{g.index}", cs, g.share) for g, cs in zip(run.plan.groups, groups))))
-
-
-def group_restart_max(run: PreparedRun) -> int | None:
-    """The engine's restart policy for the run's groups: none for an attached run, whose supervisor restarts a
-    dead group itself (the budget counted in one place, and a group that exited 4 (secret refused) or 5 (the
-    user's code raised) is never restarted: Docker's ``on-failure`` cannot tell exit codes apart); ``on-failure``
-    with the budget for a detached run, which has no supervisor."""
-    return run.config.restart_budget if run.config.detach else None
 
 
 def check_gpu_runtime(plan: Plan, runtimes: tuple[str, ...]) -> None:
@@ -149,7 +69,7 @@ def check_gpu_runtime(plan: Plan, runtimes: tuple[str, ...]) -> None:
             hint=NVIDIA_TOOLKIT_HINT)
 
 
-class DockerBackend(Backend):
+class DockerBackend(ElasticContainers, Backend):
     """Runs a :class:`PreparedRun` as containers (like ``docker network create`` + ``docker run`` each)."""
 
     name = "docker"
@@ -191,6 +111,8 @@ class DockerBackend(Backend):
         self._master_restarts = 0  # new masters started in place of a dead one (restart_master)
         self._own_restarts: dict[int, int] = {}  # group -> restarts done through restart_group
         self._master_stop_seen = False  # idle() saw the master stop; from then on it only sleeps
+        self._owned: dict[int, tuple[str, ...]] = {}  # an elastic run's groups that hold their GPUs' leases
+        self._yielding: set[int] = set()  # an elastic run's groups asked to leave (docker_elastic)
 
     @property
     def engine(self) -> Engine:
@@ -270,11 +192,17 @@ class DockerBackend(Backend):
                  and not run.reservation.brokered else None)
         where = handover.lease_dir_of(lease) if lease else None
         uuids = handover.hand_over(lease) if lease else ()
-        self._leases = (uuids, where)  # the master holds them now; a new master (restart_master) takes them again
+        master_leases, owned = group_leases(run) if lease else (None, {})
+        # The master holds them now (an elastic run's groups hold those of the GPUs the master does not use); a new
+        # master (restart_master) takes its own again.
+        self._leases = (uuids if master_leases is None else master_leases, where)
+        self._owned = owned
         # Groups start with the master: they dial with back-off until it listens (it imports TF first).
         self._start_master()
         for cid in self.group_ids.values():
             self.engine.start(cid)
+        for index, owned_uuids in owned.items():
+            self._confirm_group_leases(index, owned_uuids)
         log.info("started run %s: master %s and %d group containers on network %s", run.run_id,
                  (self.master_id or "")[:12], len(self.group_ids), network_name(run.run_id))
 
@@ -283,7 +211,8 @@ class DockerBackend(Backend):
         the supervisor's own. Only reads."""
         assert self.master_id is not None
         return BackendStatus(container_part("master", self.engine.inspect(self.master_id), self._master_restarts),
-                             {i: container_part(f"group-{i}", self.engine.inspect(cid), self._own_restarts.get(i, 0))
+                             {i: self.yielded(i, container_part(f"group-{i}", self.engine.inspect(cid),
+                                                                self._own_restarts.get(i, 0)))
                               for i, cid in self.group_ids.items()})
 
     def idle(self, seconds: float) -> None:
@@ -409,5 +338,5 @@ class DockerBackend(Backend):
         return {r for r in rids if r}
 
 
-__all__ = ["DockerBackend", "DockerRun", "check_gpu_runtime", "container_part", "container_specs", "container_state",
-           "teardown"]
+__all__ = ["MASTER_PORT", "DockerBackend", "DockerRun", "check_gpu_runtime", "container_part", "container_specs",
+           "container_state", "group_name", "master_name", "network_name", "teardown"]

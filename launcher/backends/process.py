@@ -65,6 +65,7 @@ class ProcessBackend(Backend):
 
     name = "process"
     recovers_master = True
+    elastic = True
 
     def __init__(self, python: str | None = None, *, orphan_grace_s: float = ORPHAN_GRACE_S,
                  log_cap_bytes: int = LOG_CAP_BYTES) -> None:
@@ -84,6 +85,7 @@ class ProcessBackend(Backend):
         self.run: PreparedRun | None = None
         self._sock: socket.socket | None = None
         self._sock_dir: Path | None = None  # the Unix socket's private directory, removed at stop
+        self._yielding: set[int] = set()  # groups asked to leave for an elastic run's yield (poll: YIELDED)
 
     def specs(self, run: PreparedRun, *, master_addr: str | None = None) -> LaunchSpecs:
         """Each part's argv and the environment set over this launcher's (:func:`process_specs`); ``start``
@@ -135,12 +137,14 @@ class ProcessBackend(Backend):
                  self.master.proc and self.master.proc.pid, len(self.groups), addr)
 
     @staticmethod
-    def _part(child: _Child) -> Part:
+    def _part(child: _Child, *, yielding: bool = False) -> Part:
         code = child.exit_code()
         if child.proc is None:
             state = PartState.STARTING
         elif code is None:
             state = PartState.RUNNING
+        elif yielding:  # it left because it was asked to: however it exited, nothing restarts it
+            state = PartState.YIELDED
         else:
             state = PartState.EXITED if code == 0 else PartState.FAILED
         return Part(child.name, state, code, child.restarts, str(child.proc.pid if child.proc else ""))
@@ -151,7 +155,8 @@ class ProcessBackend(Backend):
         assert self.master is not None
         for c in [self.master, *self.groups.values()]:
             c.cap_log(self.log_cap_bytes)
-        return BackendStatus(self._part(self.master), {i: self._part(c) for i, c in self.groups.items()})
+        return BackendStatus(self._part(self.master), {i: self._part(c, yielding=i in self._yielding)
+                                                       for i, c in self.groups.items()})
 
     def idle(self, seconds: float) -> None:
         """Block on the master's process (up to ``seconds``): its end is seen at once, not at the next poll."""
@@ -169,6 +174,36 @@ class ProcessBackend(Backend):
         child.restarts += 1
         os.write(child.open_log(), f"--- launcher: restarting {child.name} (restart {child.restarts}) ---\n".encode())
         self._start_child(child)
+
+    def yield_group(self, index: int) -> None:
+        """SIGUSR2 to the group: it sends the segment it is collecting, says goodbye (``reason: yield``), exits 0."""
+        child = self.groups[index]
+        self._yielding.add(index)
+        os.write(child.open_log(), f"--- launcher: {child.name} yields its GPUs (elastic run) ---\n".encode())
+        child.signal(signal.SIGUSR2)
+
+    def kill_group(self, index: int) -> None:
+        self.groups[index].signal(signal.SIGKILL)
+
+    def release_yielded(self, uuids: tuple[str, ...]) -> tuple[str, ...]:
+        assert self.run is not None and self.run.reservation is not None
+        return tuple(self.run.reservation.release_some(uuids))
+
+    def regrow(self, indices: tuple[int, ...], uuids: tuple[str, ...]) -> bool:
+        """Lease the GPUs again (the master child's inherited descriptors are the old ones; a new master gets the
+        new ones, restart_master), tie them to the master with a broker, then start each group as before."""
+        assert self.run is not None and self.run.reservation is not None
+        if not self.run.reservation.take_back(uuids):
+            return False
+        self._tie_leases()
+        for index in indices:
+            child = self.groups[index]
+            if child.exit_code() is None:
+                raise RuntimeError(f"{child.name} has not exited; it cannot be started again")
+            self._yielding.discard(index)
+            os.write(child.open_log(), f"--- launcher: {child.name} starts again (its GPUs are back) ---\n".encode())
+            self._start_child(child)
+        return True
 
     def _listen(self, run: PreparedRun) -> tuple[socket.socket, str]:
         """The master's listening socket, bound here so the groups can dial at once, and its address: a Unix
@@ -202,6 +237,9 @@ class ProcessBackend(Backend):
         and listening socket (still open here), so the groups' reconnects reach it."""
         assert self.master is not None and self._sock is not None
         self.master.restarts += 1
+        # The lease descriptors as they are now: an elastic run's yield and regrowth change them.
+        leases = self.run.reservation.fds if self.run is not None and self.run.reservation is not None else ()
+        self.master.pass_fds = (self._sock.fileno(), *leases)
         os.write(self.master.open_log(), f"--- launcher: the master died (exit {self.master.exit_code()}); starting "
                                          f"a new one from the newest checkpoint ---\n".encode())
         self._start_child(self.master)

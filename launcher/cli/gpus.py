@@ -20,6 +20,7 @@ from launcher.errors import MissingDependency
 from launcher.gpu import foreign, leaseholders, reservations
 from launcher.gpu.nvml import Inventory
 from launcher.gpu.holders import ContainerHolder, container_holders, container_id_of_pid
+from launcher.gpu.elastic import YieldNote, read_notes
 from launcher.gpu.queue import Ticket, read_queue
 from launcher.gpu.leaseholders import Holder
 from launcher.gpu.store import NO_STORE_NOTE
@@ -37,13 +38,14 @@ def build_report(
     container_of_pid: Any = container_id_of_pid,
     store: dict[str, Any] | None = None,
     queue: Sequence[Ticket] = (),
+    yields: Sequence[YieldNote] = (),
 ) -> dict[str, Any]:
     """The ``--json`` document (also what the table is printed from).
 
     Per GPU: ``lease`` (who holds it, from the kernel: user, uid, pid, container, run, since; None when
     free), ``processes`` (each with ``foreign``: on a leased GPU or MIG instance and not part of that lease)
-    and ``foreign_processes`` (their pids). Top level: ``store`` (admin lease store or single-user lock directory) and ``queue`` (``--wait``
-    tickets in order).
+    and ``foreign_processes`` (their pids). Top level: ``store`` (admin lease store or single-user lock directory), ``queue`` (``--wait``
+    tickets in order) and ``yields`` (elastic runs that gave GPUs to a queued run and are not back to full size).
     """
     by_container = {c.container_id: c for c in containers}
     lease_of = {h.uuid: h for h in locks}
@@ -93,6 +95,7 @@ def build_report(
         "docker": {"available": docker_reason is None, "reason": docker_reason},
         "store": store or {"mode": "single-user", "leases": None, "site_file": None, "note": None},
         "queue": [{"place": i + 1, **t.to_dict()} for i, t in enumerate(queue)],
+        "yields": [n.to_dict() for n in yields],
     }
 
 
@@ -136,6 +139,10 @@ def format_report(report: dict[str, Any]) -> str:
     for q in report["queue"]:
         lines.append(f"queue {q['place']}: {q['user']} run {q['run_id'] or '?'} waiting for {q['want'] or 'GPUs'} "
                      f"since {_since(q['since'])}")
+    for n in report.get("yields") or []:
+        lines.append(f"yield: run {n['from_run']} ({n['user']}) gave GPU(s) {', '.join(n['gpus']) or '-'} (group(s) "
+                     f"{', '.join(map(str, n['groups']))}) to run {n['to_run'] or '?'} ({n['to_user'] or '?'}) "
+                     f"at {_since(n['since'])}")
     if report["store"]["note"]:
         lines.append(f"({report['store']['note']})")
     if not report["docker"]["available"]:
@@ -154,8 +161,10 @@ def run(args: argparse.Namespace) -> int:
         docker_reason: str | None = "--no-docker"
     else:
         containers, docker_reason = container_holders()
+    live_runs = {h.run_id for h in locks if h.run_id}  # a note of a run that holds nothing any more is stale
     report = build_report(inventory, locks, containers, docker_reason, store=store,
-                          queue=read_queue(ld.queue, clean=False))
+                          queue=read_queue(ld.queue, clean=False),
+                          yields=[n for n in read_notes(ld.queue) if n.from_run in live_runs])
     if args.json:
         print(json.dumps(report, indent=2))
     elif inventory.available:

@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +54,7 @@ def format_view(v: RunView) -> str:
         lines.append(f"  recovered   the master {len(recs)} time(s); last from {last.get('checkpoint') or 'no checkpoint'} "
                      f"({_num(last.get('restored_env_steps'))} env steps, {_num(last.get('steps_lost'))} lost), "
                      f"{sum(r.get('steps_lost') or 0 for r in recs)} env steps lost in all")
+    lines.extend(elastic_lines(d))
     for p in v.parts:
         extra = "".join([f" exit {p.exit_code}" if p.exit_code is not None else "",
                          f" health {p.health}" if p.health else "",
@@ -68,6 +70,32 @@ def format_view(v: RunView) -> str:
     # The run's containers write much of this (status.json, summary.json, run.json): whatever reached a line,
     # no control character reaches the terminal (an OSC-52 escape prints as \x1b]52;...).
     return "\n".join(printable(line, limit=4096) for line in lines)
+
+
+def _clock(t: Any) -> str:
+    return time.strftime("%H:%M:%S", time.localtime(t)) if isinstance(t, (int, float)) else "?"
+
+
+def elastic_lines(d: dict[str, Any]) -> list[str]:
+    """An elastic run's groups and its last yield or regrowth; the elastic runs that gave this run its GPUs."""
+    lines = []
+    el = d.get("elastic")
+    if isinstance(el, dict):
+        states: dict[str, Any] = el["groups"] if isinstance(el.get("groups"), dict) else {}
+        away = [g for g, s in states.items() if s != "active"]
+        line = (f"  elastic     {el.get('active')} of {len(states)} groups playing (minimum {el.get('min_groups')})"
+                + (f"; away: group(s) {', '.join(map(str, away))}" if away else ""))
+        events = [e for e in el.get("events") or [] if isinstance(e, dict)]
+        if events:
+            e = events[-1]
+            to = f" to run {e.get('to_run')} of {e.get('to_user')}" if e.get("to_run") or e.get("to_user") else ""
+            line += (f"; last: {e.get('event')} group(s) {', '.join(map(str, e.get('groups') or []))} "
+                     f"(GPU(s) {', '.join(map(str, e.get('gpus') or [])) or '-'}){to} at {_clock(e.get('t'))}")
+        lines.append(line)
+    for n in d.get("gpus_from") or []:
+        lines.append(f"  gpus from   run {n.get('from_run')} ({n.get('user')}) yielded GPU(s) "
+                     f"{', '.join(map(str, n.get('gpus') or []))} to this run at {_clock(n.get('since'))}")
+    return lines
 
 
 def run(args: argparse.Namespace) -> int:

@@ -85,6 +85,7 @@ def validate(cfg: RunConfig, origin: Mapping[str, str] | None = None) -> list[st
         problems.append(f"--restart-budget must be >= 0, got {cfg.restart_budget}")
     if cfg.master_restarts < 0:
         problems.append(f"--master-restarts must be >= 0, got {cfg.master_restarts}")
+    problems.extend(_check_elastic(cfg))
     problems.extend(_gpu_request(cfg)[2])  # its placement problems are the --workers/--groups ones above
     problems.extend(_check_slurm(cfg))
     if cfg.image is not None:
@@ -102,6 +103,24 @@ def validate(cfg: RunConfig, origin: Mapping[str, str] | None = None) -> list[st
             resolve_hparams(cfg.algo, plain_env_id(cfg.env_id), dict(cfg.hparams))
         except (TypeError, ValueError) as exc:
             problems.append(f"--set: {exc}")
+    return problems
+
+
+def _check_elastic(cfg: RunConfig) -> list[str]:
+    """``--elastic`` as far as it can be judged before the plan (the plan's groups: launcher.gpu.policy)."""
+    if cfg.elastic is None or cfg.elastic == "off":
+        return []
+    if not cfg.elastic.isdigit() or int(cfg.elastic) < 1:
+        return [f"--elastic takes the fewest worker groups the run may shrink to (a whole number >= 1) or 'off', "
+                f"got {cfg.elastic!r}"]
+    problems = []
+    most = cfg.groups or cfg.workers
+    if int(cfg.elastic) > most:
+        problems.append(f"--elastic {cfg.elastic}: the run has at most {most} worker group(s) "
+                        f"({'--groups' if cfg.groups else '--workers'} {most})")
+    if cfg.detach:
+        problems.append("--elastic needs its launcher attached (it watches the GPU queue for the run): leave out "
+                        "--detach")
     return problems
 
 

@@ -77,6 +77,7 @@ class RunConfig:
     isolate_master: bool = False  # the master must get a GPU of its own
     share_master_gpu: bool = False  # the master never gets a GPU of its own
     wait_s: float | None = None  # --wait: queue this long for busy GPUs (inf: no limit; None: exit 5 at once)
+    elastic: str | None = None  # --elastic MIN_GROUPS | off (None: the site policy's default; launcher.elastic)
     json: bool = False
     progress: str = "auto"  # auto: a live table on a terminal, plain lines otherwise
     progress_interval_s: float = 5.0  # seconds between plain progress lines
@@ -154,6 +155,9 @@ COMMON_OPTIONS: tuple[Option, ...] = (  # every run reads these, whatever its ba
     Option("wait", "wait_s", "duration", "wait in the fair queue (across users) for busy GPUs, at most DURATION "
            "(bare --wait: no limit); without it, busy GPUs exit 5", nullable=True, metavar="DURATION",
            const="forever"),
+    Option("elastic", "elastic", "str", "let the run's worker groups shrink to MIN_GROUPS when a run queued with "
+           "--wait needs their GPUs, and grow back when the GPUs free (process and docker backends; docs/gpus.md); off: never "
+           "(default: the site policy's)", nullable=True, metavar="MIN_GROUPS|off"),
     Option("detach", "detach", "bool", "return at once (docker)"),
     Option("json", "json", "bool", "print the result as JSON (schema launcher.result/v1) on stdout"),
     Option("progress", "progress", "choice", "progress display: auto (live on a terminal, else plain lines)",

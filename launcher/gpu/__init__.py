@@ -102,6 +102,7 @@ def plan_and_reserve(request: GpuRequest, *, run_id: str, cpu_count: int | None 
     want = "GPUs " + str(request.choice) if request.choice.mode == "explicit" else "free GPUs"
     return queue.wait_in_queue(
         ld.queue, run_id=run_id, want=want, wait_s=request.wait_s, report=report, busy=busy,
+        gpus=list(request.choice.items) if request.choice.mode == "explicit" else "auto",
         attempt=lambda: planner.plan_and_reserve(request, run_id=run_id, cpu_count=cores, cpu_fallback=False))
 
 

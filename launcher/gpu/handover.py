@@ -18,7 +18,7 @@ Swarm: leases stay with the swarm's generic resources (the engine schedules GPUs
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from launcher.errors import NoResources
 from launcher.gpu.leaseholders import list_holders
@@ -30,14 +30,18 @@ def container_path(uuid: str) -> str:
     return f"{LEASE_DIR}/{uuid}.lock"
 
 
-def master_mounts(reservation: Reservation) -> dict[str, str]:
-    """Host lease file -> path in the master container; mount them read-only (``flock`` needs no write)."""
-    return {str(p): container_path(u) for u, p in zip(reservation.uuids, reservation.paths)}
+def master_mounts(reservation: Reservation, uuids: Iterable[str] | None = None) -> dict[str, str]:
+    """Host lease file -> path in the container; mount them read-only (``flock`` needs no write). ``uuids``: only
+    these of the run's leases (an elastic run's groups hold their own GPUs': :func:`launcher.gpu.elastic.lease_owners`)."""
+    only = None if uuids is None else set(uuids)
+    return {str(p): container_path(u) for u, p in zip(reservation.uuids, reservation.paths) if only is None or u in only}
 
 
-def master_env(reservation: Reservation) -> dict[str, str]:
-    """The master's ``LAUNCHER_LEASES`` (read by :func:`worker.lease.hold_from_env`)."""
-    return {LEASES_ENV: ",".join(container_path(u) for u in reservation.uuids)} if reservation.uuids else {}
+def master_env(reservation: Reservation, uuids: Iterable[str] | None = None) -> dict[str, str]:
+    """The container's ``LAUNCHER_LEASES`` (read by :func:`worker.lease.hold_from_env`); ``uuids`` as above."""
+    only = None if uuids is None else set(uuids)
+    mine = [u for u in reservation.uuids if only is None or u in only]
+    return {LEASES_ENV: ",".join(container_path(u) for u in mine)} if mine else {}
 
 
 def lease_dir_of(reservation: Reservation) -> LeaseDir:
@@ -54,7 +58,7 @@ def hand_over(reservation: Reservation) -> tuple[str, ...]:
 
 def confirm_held_by_container(uuids: tuple[str, ...], container_id: str, *, exit_code: Callable[[], int | None],
                               where: LeaseDir | None = None, timeout_s: float = 30.0,
-                              poll_s: float = 0.05) -> float:
+                              poll_s: float = 0.05, who: str = "the master") -> float:
     """Wait until a process in ``container_id`` holds every lease in ``uuids`` (from ``/proc/locks``).
 
     Args:
@@ -79,8 +83,8 @@ def confirm_held_by_container(uuids: tuple[str, ...], container_id: str, *, exit
         others = "; ".join(f"{u} held by {holders[u].describe()}" for u in uuids if u in holders and u not in mine)
         if code is not None or time.monotonic() - started > timeout_s:
             why = ("another run leased a GPU first" if code == LEASE_LOST_EXIT
-                   else f"the master exited with code {code}" if code is not None
-                   else f"the master did not take its GPU leases within {timeout_s:g} s")
+                   else f"{who} exited with code {code}" if code is not None
+                   else f"{who} did not take its GPU leases within {timeout_s:g} s")
             raise NoResources(f"{why}: {others or 'no holder seen'}",
                               hint="run it again (or with --wait to queue); `launcher gpus` shows who holds what")
         time.sleep(poll_s)

@@ -28,7 +28,10 @@ from launcher.units import format_size, parse_size
 
 POLICY_ENV = "LAUNCHER_POLICY"
 DEFAULT_POLICY_PATH = Path("/etc/launcher/policy.toml")
-KEYS = ("max_gpus_per_user", "min_free_memory", "reserved_gpus", "max_workers_per_gpu")
+KEYS = ("max_gpus_per_user", "min_free_memory", "reserved_gpus", "max_workers_per_gpu", "elastic")
+# ``elastic``: whether runs may be elastic (``launcher up --elastic``). "allow" (no policy), "default" (a run that
+# does not say is elastic down to half its groups), "forbid" (``--elastic`` is refused). Narrowing: forbid wins.
+ELASTIC = ("allow", "default", "forbid")
 
 
 class PolicyViolation(BadInput):
@@ -44,11 +47,12 @@ class SitePolicy:
     min_free_memory_bytes: int | None = None
     reserved_gpus: tuple[str, ...] = ()  # NVML indices (as text) or UUIDs
     max_workers_per_gpu: int | None = None
+    elastic: str = "allow"
 
     @property
     def empty(self) -> bool:
         return (self.max_gpus_per_user is None and self.min_free_memory_bytes is None and not self.reserved_gpus
-                and self.max_workers_per_gpu is None)
+                and self.max_workers_per_gpu is None and self.elastic == "allow")
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -80,7 +84,8 @@ def narrow(site: SitePolicy, user: SitePolicy) -> SitePolicy:
                       max_gpus_per_user=low(site.max_gpus_per_user, user.max_gpus_per_user),
                       min_free_memory_bytes=max(floor) if floor else None,
                       reserved_gpus=tuple(dict.fromkeys((*site.reserved_gpus, *user.reserved_gpus))),
-                      max_workers_per_gpu=low(site.max_workers_per_gpu, user.max_workers_per_gpu))
+                      max_workers_per_gpu=low(site.max_workers_per_gpu, user.max_workers_per_gpu),
+                      elastic=max(site.elastic, user.elastic, key=ELASTIC.index))
 
 
 def load_policy(path: Path | None = None, *, environ: Mapping[str, str] | None = None) -> SitePolicy:
@@ -138,6 +143,11 @@ def parse_policy(data: Mapping[str, Any], *, source: str | None = None) -> SiteP
                 problems.append(f"{shown}: expected a whole number >= {0 if key == 'max_gpus_per_user' else 1}")
             else:
                 values[key] = value
+        elif key == "elastic":
+            if value not in ELASTIC:
+                problems.append(f"{shown}: expected one of {', '.join(repr(v) for v in ELASTIC)}")
+            else:
+                values[key] = value
         elif key == "min_free_memory":
             try:
                 values["min_free_memory_bytes"] = parse_size(value, what=raw_key)
@@ -157,6 +167,27 @@ def parse_policy(data: Mapping[str, Any], *, source: str | None = None) -> SiteP
 
 
 # ------------------------------------------------------------------------------------- pure application
+def elastic_minimum(requested: str | None, groups: int, policy: SitePolicy) -> int | None:
+    """The fewest groups an elastic run may shrink to, or None when the run is not elastic: ``--elastic``
+    (``requested``: a number, ``off``, or None for the policy's default) against the plan's ``groups``.
+
+    Raises:
+        PolicyViolation: ``--elastic N`` where the site policy forbids elastic runs.
+        BadInput: N above the plan's number of groups.
+    """
+    if requested == "off":
+        return None
+    if requested is None:
+        return max(1, -(-groups // 2)) if policy.elastic == "default" and groups > 1 else None
+    if policy.elastic == "forbid":
+        raise PolicyViolation(f"--elastic {requested}: the {policy.label} forbids elastic runs",
+                              hint="leave out --elastic (the administrator decides; see docs/gpus.md)")
+    if int(requested) > groups:
+        raise BadInput(f"--elastic {requested}: the plan has {groups} worker group(s); an elastic run keeps at least "
+                       f"MIN_GROUPS of them", hint=f"give --elastic {groups} or less, or more groups (--groups N)")
+    return int(requested)
+
+
 def floor_min_free_memory(requested_bytes: int, policy: SitePolicy) -> tuple[int, list[str]]:
     """Raise the requested free-memory threshold to the policy's floor. Returns (bytes, reasons)."""
     floor = policy.min_free_memory_bytes

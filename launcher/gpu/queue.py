@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from launcher import safefs
 from launcher.errors import BadInput, NoResources
@@ -50,6 +50,7 @@ class Ticket:
     want: str | None  # what it waits for, in words (e.g. "2 GPU(s)")
     since: float  # Unix time it joined (the ticket's ctime)
     order: tuple[int, str]  # (ctime ns, name): the queue order
+    gpus: Any = None  # the GPUs it waits for, unchecked: a list of indices/UUIDs or "auto" (launcher.gpu.elastic)
 
     def to_dict(self) -> dict[str, object]:
         return {"user": self.user, "uid": self.uid, "run_id": self.run_id, "want": self.want, "since": self.since}
@@ -100,7 +101,7 @@ def _read_ticket(queue_dir: Path, name: str, *, clean: bool) -> Ticket | None:
     return Ticket(name=name, uid=st.st_uid, user=user_name(st.st_uid),
                   run_id=data.get("run_id") if isinstance(data.get("run_id"), str) else None,
                   want=data.get("want") if isinstance(data.get("want"), str) else None,
-                  since=st.st_ctime_ns / 1e9, order=(st.st_ctime_ns, name))
+                  since=st.st_ctime_ns / 1e9, order=(st.st_ctime_ns, name), gpus=data.get("gpus"))
 
 
 def read_queue(queue_dir: Path, *, clean: bool = True) -> list[Ticket]:
@@ -116,7 +117,7 @@ def read_queue(queue_dir: Path, *, clean: bool = True) -> list[Ticket]:
 class Waiter:
     """This launcher's place in the queue; a context manager that always leaves it (Ctrl-C included)."""
 
-    def __init__(self, queue_dir: Path, run_id: str, want: str) -> None:
+    def __init__(self, queue_dir: Path, run_id: str, want: str, gpus: list[str] | str = "auto") -> None:
         self.queue_dir = queue_dir
         self.name = f"{user_name(os.geteuid())}-{os.getpid()}-{secrets.token_hex(4)}.ticket"
         self.path = queue_dir / self.name
@@ -125,7 +126,7 @@ class Waiter:
         tmp = queue_dir / f".{self.name}.new"
         fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
         fcntl.flock(fd, fcntl.LOCK_EX)
-        os.write(fd, json.dumps({"run_id": run_id, "want": want, "pid": os.getpid()}).encode())
+        os.write(fd, json.dumps({"run_id": run_id, "want": want, "pid": os.getpid(), "gpus": gpus}).encode())
         os.rename(tmp, self.path)
         self.fd = fd
 
@@ -182,16 +183,17 @@ def _hard_deadline(wait_s: float, run_id: str) -> Iterator[None]:
 
 def wait_in_queue(queue_dir: Path, *, run_id: str, want: str, wait_s: float, attempt: Callable[[], _T],
                   report: Callable[[str], None] | None = None, busy: Callable[[], str] | None = None,
-                  sleep: Callable[[float], None] = time.sleep) -> _T:
+                  sleep: Callable[[float], None] = time.sleep, gpus: list[str] | str = "auto") -> _T:
     """Queue until this launcher is at the head and ``attempt()`` succeeds; returns what it returned.
 
     ``attempt`` raises NoResources while the GPUs are taken; ``report`` receives a line when the place or the
-    holders change; ``busy`` says who holds what we wait for. Raises NoResources after ``wait_s`` seconds,
+    holders change; ``busy`` says who holds what we wait for; ``gpus`` (the ``--gpus`` items, or ``"auto"``) goes on
+    the ticket, for elastic runs to read (:mod:`launcher.gpu.elastic`). Raises NoResources after ``wait_s`` seconds,
     also when an attempt is still running then (:func:`_hard_deadline`).
     """
     deadline = time.monotonic() + wait_s
     last_line = None
-    with _hard_deadline(wait_s, run_id), Waiter(queue_dir, run_id, want) as me:
+    with _hard_deadline(wait_s, run_id), Waiter(queue_dir, run_id, want, gpus) as me:
         while True:
             place, tickets = me.place()
             why = ""

@@ -158,21 +158,88 @@ class Reservation:
                 logger.warning("could not release GPU lease(s) %s through the broker: %s; they end when this run's "
                                "processes have exited", ", ".join(uuids), exc.message)
         while self._held:
-            held = self._held.pop()
-            if held.note is not None:
-                with contextlib.suppress(OSError):
-                    held.note.unlink()
+            _drop(self._held.pop(), unlock=False)
+
+    def release_some(self, uuids: Iterable[str]) -> tuple[str, ...]:
+        """Drop the leases of ``uuids`` only (an elastic run's yielded groups' GPUs); returns those dropped.
+
+        The lock is taken off the open file description itself (``LOCK_UN``), so a copy of the descriptor the
+        process backend's master inherited does not keep it: the GPU is free the moment this returns."""
+        drop = set(uuids)
+        if self.broker is not None:
+            mine = [u for u in self._brokered if u in drop]
+            if mine:
+                broker_client.release(self.broker, mine)
+                self._brokered = [u for u in self._brokered if u not in drop]
+            return tuple(mine)
+        gone = [h for h in self._held if h.uuid in drop]
+        for held in gone:
+            self._held.remove(held)
+            _drop(held, unlock=True)
+        return tuple(h.uuid for h in gone)
+
+    def take_back(self, uuids: Iterable[str]) -> bool:
+        """Lease ``uuids`` again for this run, all or none, without waiting (an elastic run growing back).
+        False when another run holds one of them now. With a broker the backend ties them to its master again
+        (:meth:`tie`), as at the start."""
+        wanted = [u for u in dict.fromkeys(uuids) if u not in self.uuids]
+        if not wanted:
+            return True
+        if self.broker is not None:
             try:
-                os.ftruncate(held.fd, 0)
-            except OSError:
-                pass  # opened read-only (the admin store, or someone else's file mode); nothing was written
-            os.close(held.fd)  # closing the last descriptor releases the flock
+                got = broker_client.lease(self.broker, self.run_id, wanted, None)
+            except NoResources:
+                return False
+            self._brokered.extend(got)
+            return True
+        ld = lease_dir(self.lock_dir)
+        record = _holder_record(self.run_id)
+        taken: list[_HeldLock] = []
+        try:
+            for uuid in wanted:
+                held = _lock_one(ld, uuid, record)
+                if held is None:
+                    break
+                taken.append(held)
+        except BaseException:
+            self._held.extend(taken)
+            self.release_some(h.uuid for h in taken)
+            raise
+        self._held.extend(taken)
+        if len(taken) < len(wanted):
+            self.release_some(h.uuid for h in taken)
+            return False
+        return True
 
     def __enter__(self) -> Reservation:
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         self.release()
+
+
+def _drop(held: _HeldLock, *, unlock: bool) -> None:
+    """Give up one held lease: its holder note and file text first, so nobody reads them as current, then the
+    descriptor. ``unlock``: take the lock off the open file description itself (``LOCK_UN``), so that copies of the
+    descriptor (the process backend's master inherits them) do not keep it; without it the lock lives on in such a
+    copy, as a run's leases must while its master checkpoints after the launcher let go."""
+    if held.note is not None:
+        with contextlib.suppress(OSError):
+            held.note.unlink()
+    try:
+        os.ftruncate(held.fd, 0)
+    except OSError:
+        pass  # opened read-only (the admin store, or someone else's file mode); nothing was written
+    if unlock:
+        fcntl.flock(held.fd, fcntl.LOCK_UN)
+    os.close(held.fd)  # closing the last descriptor releases the flock
+
+
+def _holder_record(run_id: str) -> dict[str, Any]:
+    """What a lease file (single-user mode) and its holder note say of the run holding it: labels only, the kernel
+    says who holds it (:mod:`launcher.gpu.leaseholders`)."""
+    return {"schema": LOCK_SCHEMA, "run_id": run_id, "pid": os.getpid(), "user": user_name(os.getuid()),
+            "host": socket.gethostname(), "since": time.time()}
 
 
 def ensure_shared_dir(directory: Path) -> None:
@@ -321,8 +388,7 @@ def reserve(
         return _reserve_brokered(ld, ld.site.broker, wanted, run_id, count)
     if ld.site is None:
         ensure_shared_dir(ld.path)
-    record = {"schema": LOCK_SCHEMA, "run_id": run_id, "pid": os.getpid(), "user": user_name(os.getuid()),
-              "host": socket.gethostname(), "since": time.time()}
+    record = _holder_record(run_id)
     reservation = Reservation(run_id, ld.path)
     busy: list[str] = []
     try:

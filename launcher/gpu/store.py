@@ -234,7 +234,9 @@ def admin_init(uuids: Iterable[str], *, site_file: Path = SITE_FILE, store: Path
     if not policy.exists():
         policy.write_text("# Site policy (docs/gpus.md). Authoritative: users' own policies can only narrow it.\n"
                           "# max_gpus_per_user = 2\n# min_free_memory = \"8GiB\"\n# reserved_gpus = []\n"
-                          "# max_workers_per_gpu = 32\n", encoding="utf-8")
+                          "# max_workers_per_gpu = 32\n"
+                          "# elastic = \"allow\"  # or \"default\" (runs yield groups to the queue unless --elastic off),"
+                          " \"forbid\"\n", encoding="utf-8")
         os.chmod(policy, 0o644)
         made.append(str(policy))
     text = f'store = "{store}"\npolicy = "{policy}"\n' + (f'broker = "{broker}"\n' if broker is not None else "")

@@ -112,6 +112,20 @@ def test_cpu_plan_hides_every_gpu_and_rewrites_the_spec(tmp_path: Path) -> None:
     assert dgroups[0].create_kwargs()["restart_policy"] == {"Name": "on-failure", "MaximumRetryCount": 3}
 
 
+def test_a_detached_runs_master_gets_on_failure_with_master_restarts(tmp_path: Path) -> None:
+    """Issue 27 on a detached run: no supervisor, so the engine restarts a master that died (``--master-restarts``
+    times); attached, the supervisor does. Docker reads a MaximumRetryCount of 0 as no limit: 0 is no policy."""
+    run = prepared(tmp_path)
+    detached = replace(run, config=replace(run.config, detach=True, master_restarts=2))
+    master, _ = container_specs(detached, image="img", gpu_runtime=False, uid_gid=(1, 2))
+    assert master.create_kwargs()["restart_policy"] == {"Name": "on-failure", "MaximumRetryCount": 2}
+    attached = replace(run, config=replace(run.config, master_restarts=2))
+    assert container_specs(attached, image="img", gpu_runtime=False, uid_gid=(1, 2))[0].restart_max is None
+    none = replace(run, config=replace(run.config, detach=True, master_restarts=0, restart_budget=0))
+    master, groups = container_specs(none, image="img", gpu_runtime=False, uid_gid=(1, 2))
+    assert [cs.create_kwargs()["restart_policy"] for cs in (master, *groups)] == [{"Name": "no"}] * (1 + len(groups))
+
+
 def test_gpu_plan_without_nvidia_runtime_says_how_to_install_it(tmp_path: Path) -> None:
     run = prepared(tmp_path, gpus=2, workers=8)
     with pytest.raises(MissingDependency) as err:
@@ -216,6 +230,13 @@ RESULT_FILES = ("summary.json", "status.json", "metrics.jsonl", "learning_curve.
 
 def _container(engine: Engine, name: str) -> dict[str, Any]:
     return engine.inspect_raw(name)
+
+
+def _recovered_once(run: Path) -> bool:
+    """The run's master was replaced once and both of its two groups are connected to the new one."""
+    st = status_of(run)
+    groups = st.get("groups") or {}
+    return len(st.get("recoveries") or []) == 1 and sum(bool(g.get("connected")) for g in groups.values()) == 2
 
 
 def _kill_hard(engine: Engine, name: str) -> None:
@@ -368,12 +389,8 @@ def test_a_killed_master_is_replaced_in_place_then_given_up_then_resumed(launche
         _kill_hard(engine, master_name(run.name))
         t_kill = time.monotonic()
 
-        def recovered() -> bool:
-            st = status_of(run)
-            groups = st.get("groups") or {}
-            return len(st.get("recoveries") or []) == 1 and sum(bool(g.get("connected")) for g in groups.values()) == 2
-
-        wait_for(lambda: recovered() or proc.poll() is not None, 120, "the master replaced and both groups back")
+        wait_for(lambda: _recovered_once(run) or proc.poll() is not None, 120,
+                 "the master replaced and both groups back")
         assert proc.poll() is None, proc.communicate()[1][-3000:]
         print(f"\n[recovery docker] master replaced and both groups back {time.monotonic() - t_kill:.1f} s after the kill")
         for g in (0, 1):
@@ -408,6 +425,94 @@ def test_a_killed_master_is_replaced_in_place_then_given_up_then_resumed(launche
     assert summary["outcome"] == "max_steps" and summary["updates"] > starts[2]["updates"]
     assert len(summary["recoveries"]) == 2, "the resumed master records the second death too"
     assert "resumed from" in (run / "logs" / "master.log").read_text()
+
+
+@pytest.mark.docker
+def test_a_detached_runs_killed_master_is_replaced_in_place_by_the_engine(launcher_image: str, runs_under: Path,
+                                                                          engine: Engine) -> None:
+    """Issue 27 on a detached run, which has no supervisor: the master container's process SIGKILLed from the host
+    is restarted by the engine (``on-failure`` with ``--master-restarts``; a ``docker kill`` would be a manual stop,
+    never restarted), restores its checkpoint and records the recovery in status.json; the group containers are not
+    restarted; the run reaches ``--max-steps`` and ``launcher status`` says finished; ``launcher down`` leaves
+    nothing."""
+    common = ("--results", str(runs_under))
+    max_steps = 60_000
+    up = run_launcher("up", "--backend", "docker", "--detach", "--image", launcher_image, "--workers", "2", "--groups",
+                      "2", "--max-steps", str(max_steps), "--checkpoint-every", "5", "--master-restarts", "1", *common,
+                      timeout=60)
+    assert up.returncode == 0, up.stderr[-3000:]
+    run = only_run(runs_under)
+    try:
+        wait_for(lambda: ((status_of(run).get("checkpoint") or {}).get("updates") or 0) >= 5, 120, "a checkpoint")
+        started = {g: _container(engine, group_name(run.name, g))["State"]["StartedAt"] for g in (0, 1)}
+        steps_at_kill = status_of(run).get("env_steps") or 0
+        assert steps_at_kill < max_steps // 2, f"the run is too fast for this test: {steps_at_kill} steps already"
+        _kill_hard(engine, master_name(run.name))
+        t_kill = time.monotonic()
+
+        wait_for(lambda: _recovered_once(run), 120, "the engine to restart the master and both groups back")
+        print(f"\n[recovery docker detached] master restarted by the engine and both groups back "
+              f"{time.monotonic() - t_kill:.1f} s after the kill")
+        assert _container(engine, master_name(run.name))["RestartCount"] == 1
+        for g in (0, 1):
+            c = _container(engine, group_name(run.name, g))
+            assert c["State"]["StartedAt"] == started[g] and c["RestartCount"] == 0, f"group {g} was restarted"
+        (rec,) = status_of(run)["recoveries"]
+        assert rec["checkpoint"] and rec["restored_updates"] >= 5 and rec["steps_lost"] >= 0, rec
+
+        def state() -> str:
+            st = run_launcher("status", run.name, "--json", *common, timeout=30)
+            return json.loads(st.stdout).get("state", "") if st.stdout.strip() else ""
+
+        wait_for(lambda: state() in ("finished", "failed", "stale"), 240, "the run to end")
+        st = run_launcher("status", run.name, "--json", *common, timeout=30)
+        assert st.returncode == 0 and json.loads(st.stdout)["state"] == "finished", st.stdout + st.stderr
+        print(f"[recovery docker detached] the run reached --max-steps {time.monotonic() - t_kill:.1f} s after the kill")
+        summary = read_json(run / "summary.json")
+        assert summary["outcome"] == "max_steps" and len(summary["recoveries"]) == 1, summary
+        events = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        assert sum(e.get("event") == "master_started" for e in events) == 2
+        assert sum(e.get("event") == "master_recovered" for e in events) == 1
+    finally:
+        down = run_launcher("down", run.name, *common, timeout=60)
+    assert down.returncode == 0, down.stderr
+    assert ours(engine, runs_under) == ([], [])
+
+
+@pytest.mark.docker
+def test_a_detached_runs_master_that_recorded_its_failure_is_not_trained_again(launcher_image: str,
+                                                                               runs_under: Path,
+                                                                               engine: Engine) -> None:
+    """The engine's on-failure policy restarts the master that raised (summary.json: failed) and exited 1; the
+    restarted master sees the recorded end and exits 0 at once (worker.__main__.ended_already), so the engine stops
+    restarting it; summary.json stays as the failure wrote it and ``launcher status`` says failed."""
+    common = ("--results", str(runs_under))
+    algo = f"{ROOT / 'tests' / 'data' / 'usercode' / 'reinforce.py'}:Reinforce"
+    up = run_launcher("up", "--backend", "docker", "--detach", "--image", launcher_image, "--gpus", "none",
+                      "--workers", "2", "--groups", "1", "--algo", algo, "--set", "fault=update", "--max-steps",
+                      "100000", "--master-restarts", "2", *common, timeout=240)
+    assert up.returncode == 0, up.stderr[-3000:]
+    run = only_run(runs_under)
+    try:
+        def master() -> dict[str, Any]:
+            return _container(engine, master_name(run.name))
+
+        wait_for(lambda: master()["RestartCount"] >= 1 and master()["State"]["Status"] == "exited", 180,
+                 "the failed master restarted by the engine, then exited")
+        time.sleep(3)  # a further restart would show by now (the engine's first back-off is 0.1 s)
+        m = master()
+        assert (m["State"]["Status"], m["State"]["ExitCode"], m["RestartCount"]) == ("exited", 0, 1), m["State"]
+        summary = read_json(run / "summary.json")
+        assert summary["outcome"] == "failed" and "ZeroDivisionError" in json.dumps(summary["error"]), summary
+        logs = run_launcher("logs", run.name, "--master", *common, timeout=30)
+        assert "already ended (summary.json: outcome failed)" in logs.stdout + logs.stderr
+        st = run_launcher("status", run.name, "--json", *common, timeout=30)
+        doc = json.loads(st.stdout)
+        assert doc["state"] == "failed", doc
+    finally:
+        down = run_launcher("down", run.name, *common, timeout=60)
+    assert down.returncode == 0, down.stderr
+    assert ours(engine, runs_under) == ([], [])
 
 
 @pytest.mark.docker

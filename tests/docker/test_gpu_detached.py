@@ -12,9 +12,11 @@ every 50 ms. The figures go to docs/gpus.md.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -30,6 +32,9 @@ from launcher.gpu import holders, leaseholders, planner, store
 from launcher.gpu.holders import ContainerHolder
 from launcher.gpu.leaseholders import Holder, list_holders
 from launcher.gpu.reservations import LeaseDir
+from launcher.runs import list_runs
+from launcher.safefs import read_json_at
+from tests.elastic_sampler import Sampler
 from tests.helpers import ROOT, child_env, launcher_cmd
 from tests.nvml_fixtures import build_stub, machine, stub_uuid
 from tests.testbed import daemon
@@ -89,11 +94,11 @@ def gpu_box(nvidia_engine: Bed) -> Iterator[GpuBox]:
         shutil.rmtree(base, ignore_errors=True)
 
 
-def _up_detached(box: GpuBox) -> tuple[str, subprocess.CompletedProcess[str]]:
-    """``launcher up --detach --gpus auto`` to its return; the run id and the finished launcher process."""
+def _up_detached(box: GpuBox, *extra: str) -> tuple[str, subprocess.CompletedProcess[str]]:
+    """``launcher up --detach --gpus auto [EXTRA]`` to its return; the run id and the finished launcher process."""
     done = box.launcher("up", "--backend", "docker", "--detach", "--gpus", "auto", "--workers", "4", "--groups", "2",
                         "--image", IMAGE, "--results", str(box.results), "--max-steps", "50000000", "--json",
-                        "--progress", "off")
+                        "--progress", "off", *extra)
     assert done.returncode == 0, f"up --detach exited {done.returncode}:\n{done.stderr[-4000:]}"
     doc = json.loads(done.stdout)
     assert doc["state"] == "running", doc
@@ -224,3 +229,169 @@ def test_detached_run_keeps_its_leases_and_frees_them_on_down_and_on_kill(gpu_bo
         record_property(key, round(value, 3))
     print("detached GPU leases: " + ", ".join(f"{k} {v:.3f}" for k, v in figures.items()))
     assert figures["after_down_s"] < RELEASE_LIMIT_S and figures["after_kill_s"] < RELEASE_LIMIT_S, figures
+
+
+def _take_when_free(path: Path, limit_s: float = 10.0) -> int:
+    """Take ``path``'s exclusive flock as soon as its holder drops it (polled every ms); the open descriptor."""
+    fd = os.open(path, os.O_RDONLY)
+    t0 = time.monotonic()
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return fd
+        except BlockingIOError:
+            assert time.monotonic() - t0 < limit_s, f"{path} was never released"
+            time.sleep(0.001)
+
+
+def test_a_restarted_master_whose_gpu_another_run_took_exits_75_and_stays_down(gpu_box: GpuBox) -> None:
+    """Issue 27, detached: the master container's process SIGKILLed drops its leases (the kernel); another holder
+    takes one in the gap before the engine's ``on-failure`` restart; the restarted master finds it held and exits
+    75 at once, is restarted up to ``--master-restarts`` (1 here), then stays down; ``launcher status`` says failed,
+    naming exit 75."""
+    box = gpu_box
+    run_id, _ = _up_detached(box, "--master-restarts", "1")
+    fd = None
+    try:
+        leased = _check_held_by_master(box, run_id)
+        master = _containers(box.node, run_id)["master"]
+        os.kill(master["State"]["Pid"], signal.SIGKILL)  # as the OOM killer would: the restart policy applies
+        fd = _take_when_free(box.leases.path / f"{sorted(leased)[0]}.lock")
+
+        def gone() -> bool:
+            st = _containers(box.node, run_id)["master"]
+            return st["State"]["Status"] == "exited" and st["RestartCount"] == 1 and st["State"]["ExitCode"] == 75
+
+        t0 = time.monotonic()
+        while not gone():
+            assert time.monotonic() - t0 < 60, _containers(box.node, run_id)["master"]["State"]
+            time.sleep(0.2)
+        time.sleep(3)  # no further restart: the count is spent
+        st = _containers(box.node, run_id)["master"]
+        assert (st["State"]["Status"], st["State"]["ExitCode"], st["RestartCount"]) == ("exited", 75, 1), st["State"]
+        status = box.launcher("status", run_id, "--json", "--results", str(box.results), timeout=120)
+        doc = json.loads(status.stdout)
+        assert doc["state"] == "failed" and "exited with code 75" in json.dumps(doc), doc
+    finally:
+        if fd is not None:
+            os.close(fd)
+        _down(box, run_id)
+    leftovers = daemon.docker(box.node, "ps", "-aq", "--filter", "label=launcher.run").stdout.split()
+    assert leftovers == [], leftovers
+
+
+def _status(results: Path) -> dict[str, Any]:
+    runs = list_runs(results)
+    return (read_json_at(runs[0].files.status) if runs else None) or {}
+
+
+def _record(results: Path) -> dict[str, Any]:
+    runs = list_runs(results)
+    return runs[0].read_record() if runs else {}
+
+
+def _connected(results: Path) -> int:
+    return sum(1 for g in (_status(results).get("groups") or {}).values() if g.get("connected"))
+
+
+@pytest.mark.docker
+@pytest.mark.slow
+@pytest.mark.testbed
+def test_an_elastic_docker_run_yields_two_groups_to_a_queued_run_and_grows_back(gpu_box: GpuBox) -> None:
+    """Issue 27's exchange on the Docker backend: alice's attached elastic run (4 groups on 4 GPUs, MIN 2; the master
+    holds GPU 0's lease, each group its own GPU's) yields two groups to bob's run queued for GPUs 2 and 3, trains on
+    on two, and grows back when bob's run ends; the lock table and every group process's GPUs, sampled every 50 ms,
+    never show two runs on one GPU; the groups that stayed keep their containers' processes."""
+    box = gpu_box
+    results = {who: box.base / f"results-{who}" for who in ("alice", "bob")}
+    for d in results.values():
+        d.mkdir()
+    logs = {who: open(box.base / f"{who}.log", "w") for who in results}
+
+    def up(who: str, *args: str) -> subprocess.Popen[str]:
+        return subprocess.Popen(launcher_cmd("up", "--backend", "docker", "--image", IMAGE, "--results", str(results[who]),
+                                             "--progress", "plain", "--progress-interval", "2", *args),
+                                cwd=ROOT, env=box.env(), stdout=logs[who], stderr=subprocess.STDOUT, text=True)
+
+    def tail(who: str) -> str:
+        logs[who].flush()
+        return (box.base / f"{who}.log").read_text()[-4000:]
+
+    sampler = Sampler(box.leases)
+    sampler.start()
+    alice = up("alice", "--gpus", "0,1,2,3", "--workers", "8", "--groups", "4", "--elastic", "2",
+               "--max-steps", "100000000", "--timeout", "900")
+    bob: subprocess.Popen[str] | None = None
+    steps: list[int] = []
+    try:
+        deadline = time.monotonic() + 240
+        while alice.poll() is None and _connected(results["alice"]) < 4:
+            assert time.monotonic() < deadline, tail("alice")
+            time.sleep(0.2)
+        assert alice.poll() is None, tail("alice")
+        a_run = list_runs(results["alice"])[0].run_id
+        parts = _containers(box.node, a_run)
+        # the master holds GPU 0's lease, groups 0, 2 and 3 those of GPUs 1, 2, 3 (group 1 shares GPU 1)
+        held = box.held()
+        assert {u: held[u].container_id for u in UUIDS} == {
+            UUIDS[0]: parts["master"]["Id"], UUIDS[1]: parts["group-0"]["Id"], UUIDS[2]: parts["group-2"]["Id"],
+            UUIDS[3]: parts["group-3"]["Id"]}, held
+        first = {k: d["State"]["StartedAt"] for k, d in parts.items()}
+        t0 = time.monotonic()
+        bob = up("bob", "--gpus", "2,3", "--workers", "2", "--wait", "120", "--max-steps", "6000")
+        while bob.poll() is None and _record(results["bob"]).get("state") != "running":
+            steps.append(int(_status(results["alice"]).get("env_steps") or 0))
+            assert time.monotonic() - t0 < 120, tail("bob")
+            time.sleep(0.1)
+        bob_started = time.monotonic() - t0
+        assert bob.poll() is None, tail("bob")
+        el = _record(results["alice"])["elastic"]
+        assert el["groups"] == {"0": "active", "1": "active", "2": "yielded", "3": "yielded"}, el
+        b_run = list_runs(results["bob"])[0].run_id
+        assert [g["from_run"] for g in _record(results["bob"])["gpus_from"]] == [a_run]
+        while bob.poll() is None:
+            steps.append(int(_status(results["alice"]).get("env_steps") or 0))
+            time.sleep(0.2)
+        assert bob.returncode == 0, tail("bob")
+        t1 = time.monotonic()
+        while not ((_record(results["alice"]).get("elastic") or {}).get("active") == 4 and _connected(results["alice"]) == 4):
+            steps.append(int(_status(results["alice"]).get("env_steps") or 0))
+            assert time.monotonic() - t1 < 60, tail("alice")
+            time.sleep(0.1)
+        regrown = time.monotonic() - t1
+        time.sleep(2)
+        steps.append(int(_status(results["alice"]).get("env_steps") or 0))
+        assert alice.poll() is None, tail("alice")
+        held = box.held()
+        parts = _containers(box.node, a_run)
+        assert {u: held[u].container_id for u in UUIDS[2:]} == {UUIDS[2]: parts["group-2"]["Id"],
+                                                                UUIDS[3]: parts["group-3"]["Id"]}, held
+        status = _status(results["alice"])
+    finally:
+        if alice.poll() is None:
+            alice.send_signal(2)
+        alice.wait(timeout=120)
+        if bob is not None and bob.poll() is None:
+            bob.kill()
+            bob.wait()
+        sampler.stop_.set()
+        sampler.join()
+        for f in logs.values():
+            f.close()
+        for who in results:
+            for rd in list_runs(results[who]):
+                _down(box, rd.run_id)
+    assert alice.returncode == 130, tail("alice")
+    assert sampler.samples > 100 and sampler.both == [], sampler.detail[:3]
+    assert [sampler.ever.get(u, set()) & {a_run, b_run} for u in UUIDS] == [{a_run}] * 2 + [{a_run, b_run}] * 2
+    # groups 0 and 1 never restarted; 2 and 3 left once and came back once; alice's env steps grew throughout
+    assert [parts[f"group-{i}"]["State"]["StartedAt"] == first[f"group-{i}"] for i in range(4)] == [True, True, False,
+                                                                                                    False]
+    assert [status["groups"][str(i)]["yields"] for i in range(4)] == [0, 0, 1, 1], status["groups"]
+    metrics = [json.loads(line) for line in (results["alice"] / a_run / "metrics.jsonl").read_text().splitlines()]
+    assert [(m["event"], m.get("to_run")) for m in metrics if str(m.get("event")).startswith("elastic_")] == [
+        ("elastic_yielding", b_run), ("elastic_yielded", b_run), ("elastic_regrown", None)]
+    assert steps == sorted(steps) and steps[-1] > steps[0], steps
+    print(f"docker elastic: bob running {bob_started:.2f} s after his up; alice back to 4 groups {regrown:.2f} s after "
+          f"bob's end; {sampler.samples} samples")
+    assert bob_started < 30 and regrown < 10, (bob_started, regrown)
