@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import ROOT
+from bench.peers import PEER_TIMEOUT_S
 
 RESULTS = ROOT / "bench" / "results"
 DOC = ROOT / "docs" / "benchmarks.md"
@@ -55,10 +56,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--env", default="CartPole-v1", help="actors: the env (e.g. launcher/Snake-v0, ALE/Pong-v5)")
     parser.add_argument("--workers", default="1,2,4,8,16,32", help="actors: worker counts, comma-separated")
     parser.add_argument("--steps", type=int, default=None, help="actors: env steps per system run")
+    parser.add_argument("--groups", type=int, default=None,
+                        help="actors: worker groups per system run (default: the plan's; learning off, the cores "
+                             "give the actors the whole machine)")
     parser.add_argument("--tasks", default="cartpole,acrobot,pendulum,invpend",
                         help="peers: tasks (cartpole, acrobot, pendulum, invpend), comma-separated")
-    parser.add_argument("--peers", default="sb3,rllib", help="peers: which (sb3, rllib), comma-separated")
+    parser.add_argument("--peers", default="sb3,rllib", help="peers: which (sb3, rllib, sf), comma-separated")
     parser.add_argument("--seeds", type=int, default=3, help="peers: seeds per task (at least 3 for the table)")
+    parser.add_argument("--peer-timeout", type=float, default=PEER_TIMEOUT_S,
+                        help="peers: seconds one peer run may take before it counts as not solved")
     args = parser.parse_args(argv)
     which = set(args.which)
     if "all" in which:
@@ -66,8 +72,11 @@ def main(argv: list[str] | None = None) -> int:
     cmd = "python -m bench " + " ".join(args.which) + (" --quick" if args.quick else "")
     if "peers" in which:
         cmd += f" --tasks {args.tasks} --peers {args.peers} --seeds {args.seeds}"
-    if args.env != "CartPole-v1" or args.workers != "1,2,4,8,16,32" or args.steps:
+        if args.peer_timeout != PEER_TIMEOUT_S:
+            cmd += f" --peer-timeout {args.peer_timeout:g}"
+    if args.env != "CartPole-v1" or args.workers != "1,2,4,8,16,32" or args.steps or args.groups:
         cmd += f" --env {args.env} --workers {args.workers}" + (f" --steps {args.steps}" if args.steps else "")
+        cmd += f" --groups {args.groups}" if args.groups else ""
     from bench import suites, transport
 
     if "transport" in which:
@@ -77,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     if "actors" in which:
         counts = [int(w) for w in args.workers.split(",")]
         steps = args.steps or (40_000 if args.quick else 120_000)
-        data = suites.actor_efficiency(counts, steps=steps, reps=3, env_id=args.env)
+        data = suites.actor_efficiency(counts, steps=steps, reps=3, env_id=args.env, groups=args.groups)
         save("actors" if args.env == "CartPole-v1" else f"actors-{args.env.replace('/', '_').lower()}", data, cmd)
         _print("actor efficiency", data["table"], ("workers", "system_env_steps_per_s", "single_process_env_steps_per_s", "ratio"))
     if "acting" in which:
@@ -109,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     if "peers" in which:
         from bench import peers
 
-        data = peers.peers(args.tasks.split(","), args.peers.split(","), list(range(args.seeds)))
+        data = peers.peers(args.tasks.split(","), args.peers.split(","), list(range(args.seeds)), args.peer_timeout)
         data = peers.merged(_load_result("peers"), data, {"meta": _meta(), "command": cmd})
         save("peers", data, cmd)
         for t in data["tasks"].values():

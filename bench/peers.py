@@ -11,17 +11,21 @@ venv of 5-6 GB each, so this suite is optional, never part of ``bench all`` or C
 * **Stable-Baselines3 PPO** with the rl-baselines3-zoo settings for each task (``hyperparams/ppo.yml``, given
   below as they are there, ``lin_X`` as a linear schedule from X to 0 over the zoo's ``n_timesteps``, which is
   also the run's budget), ``DummyVecEnv`` as the zoo does, ``VecNormalize`` where the zoo normalises, on CPU.
-* **RLlib PPO** (new API stack) with its tuned example's settings for CartPole and its defaults elsewhere, local
-  env runners on the machine's cores.
+* **RLlib PPO** (new API stack) with its tuned examples' settings for CartPole and Pendulum and its defaults
+  elsewhere, local env runners on the machine's cores.
+* **Sample Factory APPO** (2.1.1, the last release; it needs gymnasium < 1.0 and numpy < 2, so InvertedPendulum is
+  its -v4 there) with the settings of its own CartPole example (``sf_examples/train_gym_env.py``: 20 envs per
+  rollout worker, one worker per core, two policy workers, batch 512, reward scale 0.1, no V-trace) for every task,
+  on CPU; stopped from an ``AlgoObserver`` when the mean of its last 100 episode returns (its ``stats_avg``) reaches
+  the target.
 * Ours: ``launcher up --backend process --workers 8 --algo ppo --until-return TARGET`` with the defaults.
-
-Sample Factory is not driven here yet (see docs/benchmarks.md for the figure measured by hand and why).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -111,6 +115,10 @@ config = (PPOConfig().environment(job["env_id"]).env_runners(num_env_runners=1, 
           .debugging(seed=job["seed"]))
 if job["env_id"] == "CartPole-v1":  # rllib/tuned_examples/ppo/cartpole_ppo.py
     config = config.training(lr=0.0003, num_epochs=6, vf_loss_coeff=0.01)
+elif job["env_id"] == "Pendulum-v1":  # rllib/tuned_examples/ppo/pendulum_ppo.py (its runners: 2 x 10 envs)
+    config = (config.env_runners(num_env_runners=2, num_envs_per_env_runner=10)
+              .training(lr=0.0003, lambda_=0.1, vf_clip_param=10.0, num_epochs=6)
+              .rl_module(model_config={"fcnet_activation": "relu"}))
 algo = config.build()
 steps, mean, solved = 0, None, False
 while steps < job["budget"]:
@@ -122,6 +130,45 @@ while steps < job["budget"]:
         solved = True
         break
 print(json.dumps({"env_steps": steps, "solved": solved, "mean_return": mean}))
+'''
+
+SF_DRIVER = r'''
+import json, sys, tempfile
+import numpy as np
+from sample_factory.algo.runners.runner import AlgoObserver
+from sample_factory.algo.utils.misc import ExperimentStatus
+from sample_factory.cfg.arguments import parse_full_cfg, parse_sf_args
+from sample_factory.envs.env_utils import register_env
+from sample_factory.train import make_runner
+from sf_examples.train_gym_env import make_gym_env_func
+
+job = json.loads(sys.argv[1])
+env_id = job["env_id"].replace("InvertedPendulum-v5", "InvertedPendulum-v4")  # gymnasium < 1.0 has no v5
+register_env(env_id, make_gym_env_func)  # its example's factory: importable, so its spawned processes can use it
+# sf_examples/train_gym_env.py's CartPole command line, on CPU, with the run's seed, budget and a scratch dir.
+argv = ["--algo=APPO", "--use_rnn=False", "--num_envs_per_worker=20", "--policy_workers_per_policy=2",
+        "--recurrence=1", "--with_vtrace=False", "--batch_size=512", "--reward_scale=0.1", "--save_every_sec=600",
+        "--experiment_summaries_interval=10", f"--env={env_id}", "--device=cpu", f"--seed={job['seed']}",
+        f"--train_for_env_steps={job['budget']}", f"--train_dir={tempfile.mkdtemp()}", "--experiment=bench"]
+parser, _ = parse_sf_args(argv=argv)
+cfg = parse_full_cfg(parser, argv)
+result = {"solved": False, "mean_return": None, "env_steps": 0}
+
+class Target(AlgoObserver):
+    def on_training_step(self, runner, training_iteration_since_resume):
+        rewards = runner.policy_avg_stats.get("reward", [[]])[0]
+        result["env_steps"] = int(runner.env_steps.get(0, 0))
+        if len(rewards) >= 100:
+            result["mean_return"] = float(np.mean(rewards))
+            if result["mean_return"] >= job["target"] and not result["solved"]:
+                result["solved"] = True
+                runner._stop_training()
+
+cfg, runner = make_runner(cfg)
+runner.register_observer(Target())
+if runner.init() == ExperimentStatus.SUCCESS:
+    runner.run()
+print(json.dumps(result))
 '''
 
 
@@ -149,7 +196,8 @@ class Peer:
         stamp.write_text("\n".join(self.packages))
 
     def job(self, task: Task, seed: int) -> dict[str, Any]:
-        """What the driver runs: SB3 has the zoo's settings and budget; RLlib its own settings and ours."""
+        """What the driver runs: SB3 has the zoo's settings and budget; RLlib and Sample Factory their own settings
+        and our budget."""
         hp = ZOO_PPO[task.env_id]
         budget = hp["n_timesteps"] if self.name == "sb3" else task.our_max_steps
         return {"env_id": task.env_id, "target": task.target, "seed": seed, "hp": hp, "budget": budget}
@@ -160,21 +208,38 @@ PEERS = {
                 SB3_DRIVER),
     "rllib": Peer("rllib", ("torch==2.5.1", "ray[rllib]==2.40.0", "gymnasium==1.0.0", "mujoco>=3.1,<3.3"),
                   RLLIB_DRIVER),
+    "sf": Peer("sf", ("torch==2.5.1", "sample-factory==2.1.1", "gymnasium==0.29.1", "numpy<2", "mujoco>=3.1,<3.3"),
+               SF_DRIVER),
 }
 PEER_PACKAGES = {name: list(p.packages) for name, p in PEERS.items()}
-PEER_LABELS = {"sb3": "Stable-Baselines3 PPO (rl-zoo settings)", "rllib": "RLlib PPO"}
+PEER_LABELS = {"sb3": "Stable-Baselines3 PPO (rl-zoo settings)", "rllib": "RLlib PPO",
+               "sf": "Sample Factory APPO (its CartPole example's settings)"}
 
 
-def _run_peer(peer: Peer, task: Task, seed: int) -> dict[str, Any]:
+# One peer run's wall-clock limit (``--peer-timeout``): a peer that has not reached the target by then counts as
+# not solved, with the time it had.
+PEER_TIMEOUT_S = 1800.0
+
+
+def _run_peer(peer: Peer, task: Task, seed: int, timeout_s: float = PEER_TIMEOUT_S) -> dict[str, Any]:
     t0 = time.perf_counter()
-    p = subprocess.run([str(peer.python), "-c", peer.driver, json.dumps(peer.job(task, seed))], cwd=tempfile.gettempdir(),
-                       env={"PATH": os.environ.get("PATH", ""), "HOME": str(Path.home()), "OMP_NUM_THREADS": "2"},
-                       capture_output=True, text=True, timeout=3600)
+    # Its own session, so a timeout ends the peer's worker processes (Ray's, Sample Factory's) with it.
+    p = subprocess.Popen([str(peer.python), "-c", peer.driver, json.dumps(peer.job(task, seed))],
+                         cwd=tempfile.gettempdir(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env={"PATH": os.environ.get("PATH", ""), "HOME": str(Path.home()), "OMP_NUM_THREADS": "2"},
+                         start_new_session=True)
+    try:
+        out, err = p.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.communicate()
+        return {"seed": seed, "wall_s": time.perf_counter() - t0, "solved": False,
+                "error": f"not at the target after the {timeout_s:.0f} s limit"}
     wall = time.perf_counter() - t0
     try:
-        doc = json.loads(p.stdout.strip().splitlines()[-1])
+        doc = json.loads(out.strip().splitlines()[-1])
     except (IndexError, ValueError):
-        doc = {"solved": False, "error": p.stderr[-1500:]}
+        doc = {"solved": False, "error": err[-1500:]}
     return {"seed": seed, "wall_s": wall, **doc}
 
 
@@ -188,7 +253,7 @@ def _run_ours(task: Task, seed: int) -> dict[str, Any]:
             "mean_return": s.get("mean_return")}
 
 
-def peers(tasks: list[str], peer_names: list[str], seeds: list[int]) -> dict[str, Any]:
+def peers(tasks: list[str], peer_names: list[str], seeds: list[int], timeout_s: float = PEER_TIMEOUT_S) -> dict[str, Any]:
     """Each task: per seed, ours then each peer (interleaved); medians over the seeds that solved."""
     chosen = [PEERS[n] for n in peer_names]
     for p in chosen:
@@ -202,7 +267,7 @@ def peers(tasks: list[str], peer_names: list[str], seeds: list[int]) -> dict[str
         for seed in seeds:
             rows["launcher ppo, 8 workers"].append(_run_ours(task, seed))
             for p in chosen:
-                rows[PEER_LABELS[p.name]].append(_run_peer(p, task, seed))
+                rows[PEER_LABELS[p.name]].append(_run_peer(p, task, seed, timeout_s))
         table: list[dict[str, Any]] = []
         for label, rs in rows.items():
             solved = [r for r in rs if r.get("solved")]
@@ -256,7 +321,9 @@ def report(d: dict[str, Any] | None) -> list[str]:
             "ours (above 1: ours is faster). Peers' venvs: " +
             "; ".join(f"{k}: {', '.join(v)}" for k, v in PEER_PACKAGES.items()) + ". Stable-Baselines3 runs the "
             "rl-baselines3-zoo PPO settings of each task (listed in `bench/peers.py` and the results file), with the "
-            "zoo's step budget.", ""]
+            "zoo's step budget; RLlib its tuned examples' settings for CartPole and Pendulum and its defaults elsewhere; Sample "
+            "Factory the settings of its own CartPole example for every task (it has no tuned example for the "
+            "others).", ""]
     for t in d["tasks"].values():
         m = t.get("measured") or {"meta": d.get("meta", {}), "command": d.get("command"), "seeds": d.get("seeds")}
         meta = m.get("meta") or {}

@@ -202,24 +202,29 @@ def acting_paths(workers: int = 8, steps: int = 100_000, reps: int = 3) -> dict[
 
 
 def actor_efficiency(worker_counts: list[int], steps: int, reps: int = 3, env_id: str = "CartPole-v1",
-                     n_steps: int | None = None) -> dict[str, Any]:
+                     n_steps: int | None = None, groups: int | None = None) -> dict[str, Any]:
     """System vs one process, learning off, ``reps`` interleaved repetitions per worker count (medians), on
-    ``env_id`` with PPO's segment length for it (``n_steps``: passed to both sides; default PPO's for the env)."""
+    ``env_id`` with PPO's segment length for it (``n_steps``: passed to both sides; default PPO's for the env).
+
+    ``groups``: the system runs' ``--groups`` (at most one per worker); None leaves it to the plan, which keeps
+    a core for the learner of an overlapped run. With learning off the learner needs none, so ``groups`` = the
+    cores measures what the actor side can do with the whole machine."""
     if n_steps is None:
         n_steps = ppo_n_steps(env_id)
     table = []
     for w in worker_counts:
         runs = []
+        plan = ("--groups", str(min(groups, w))) if groups else ()
         for _ in range(reps):
             with tempfile.TemporaryDirectory() as tmp:
-                system = _system_rate(Path(tmp), w, steps, *LEARNING_OFF, "--set", f"n_steps={n_steps}",
+                system = _system_rate(Path(tmp), w, steps, *LEARNING_OFF, "--set", f"n_steps={n_steps}", *plan,
                                       env_id=env_id)
             single = _single_process_rate(w, steps // 2, env_id, n_steps)
             runs.append({"system": system, "single": single, "ratio": system / single})
         table.append({"workers": w, "system_env_steps_per_s": median([r["system"] for r in runs]),
                       "single_process_env_steps_per_s": median([r["single"] for r in runs]),
                       "ratio": median([r["ratio"] for r in runs]), "runs": runs})
-    return {"table": table, "steps": steps, "reps": reps, "env": env_id, "n_steps": n_steps}
+    return {"table": table, "steps": steps, "reps": reps, "env": env_id, "n_steps": n_steps, "groups": groups}
 
 
 def ppo_n_steps(env_id: str) -> int:
