@@ -253,8 +253,23 @@ def _run_ours(task: Task, seed: int) -> dict[str, Any]:
             "mean_return": s.get("mean_return")}
 
 
+def ours_can_make(env_id: str) -> None:
+    """Our runs use this interpreter's packages (the project's .venv): a task whose env needs more (MuJoCo for
+    InvertedPendulum) is refused before any peer venv is made or any run starts, saying what to install."""
+    import gymnasium as gym
+
+    try:
+        gym.make(env_id).close()
+    except (ImportError, gym.error.DependencyNotInstalled) as exc:
+        raise SystemExit(f"bench peers: {env_id} cannot be made with {sys.executable} ({type(exc).__name__}: {exc}); "
+                         f"install its packages there first, e.g. `{sys.executable} -m pip install mujoco imageio` "
+                         "for the MuJoCo tasks (the peers' venvs get mujoco themselves)") from exc
+
+
 def peers(tasks: list[str], peer_names: list[str], seeds: list[int], timeout_s: float = PEER_TIMEOUT_S) -> dict[str, Any]:
     """Each task: per seed, ours then each peer (interleaved); medians over the seeds that solved."""
+    for name in tasks:
+        ours_can_make(TASKS[name].env_id)
     chosen = [PEERS[n] for n in peer_names]
     for p in chosen:
         p.ensure()
