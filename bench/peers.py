@@ -204,12 +204,12 @@ class Peer:
 
 
 PEERS = {
-    "sb3": Peer("sb3", ("torch==2.5.1", "stable-baselines3==2.4.1", "gymnasium==1.0.0", "mujoco>=3.1,<3.3"),
-                SB3_DRIVER),
-    "rllib": Peer("rllib", ("torch==2.5.1", "ray[rllib]==2.40.0", "gymnasium==1.0.0", "mujoco>=3.1,<3.3"),
-                  RLLIB_DRIVER),
-    "sf": Peer("sf", ("torch==2.5.1", "sample-factory==2.1.1", "gymnasium==0.29.1", "numpy<2", "mujoco>=3.1,<3.3"),
-               SF_DRIVER),
+    "sb3": Peer("sb3", ("torch==2.5.1", "stable-baselines3==2.4.1", "gymnasium==1.0.0", "mujoco>=3.1,<3.3",
+                        "imageio"), SB3_DRIVER),
+    "rllib": Peer("rllib", ("torch==2.5.1", "ray[rllib]==2.40.0", "gymnasium==1.0.0", "mujoco>=3.1,<3.3",
+                            "imageio"), RLLIB_DRIVER),
+    "sf": Peer("sf", ("torch==2.5.1", "sample-factory==2.1.1", "gymnasium==0.29.1", "numpy<2", "mujoco>=3.1,<3.3",
+                     "imageio"), SF_DRIVER),
 }
 PEER_PACKAGES = {name: list(p.packages) for name, p in PEERS.items()}
 PEER_LABELS = {"sb3": "Stable-Baselines3 PPO (rl-zoo settings)", "rllib": "RLlib PPO",
@@ -239,7 +239,9 @@ def _run_peer(peer: Peer, task: Task, seed: int, timeout_s: float = PEER_TIMEOUT
     try:
         doc = json.loads(out.strip().splitlines()[-1])
     except (IndexError, ValueError):
-        doc = {"solved": False, "error": err[-1500:]}
+        # A peer that crashed is a broken setup, not a result: stop rather than record it as "not solved".
+        raise SystemExit(f"bench peers: {peer.name} on {task.env_id} (seed {seed}) exited {p.returncode} without a "
+                         f"result; its last output:\n{err[-1500:]}") from None
     return {"seed": seed, "wall_s": wall, **doc}
 
 
