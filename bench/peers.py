@@ -257,12 +257,13 @@ def _run_ours(task: Task, seed: int) -> dict[str, Any]:
 
 def ours_can_make(env_id: str) -> None:
     """Our runs use this interpreter's packages (the project's .venv): a task whose env needs more (MuJoCo for
-    InvertedPendulum) is refused before any peer venv is made or any run starts, saying what to install."""
-    import gymnasium as gym
+    InvertedPendulum) is refused before any peer venv is made or any run starts, saying what to install. The env is
+    made as our groups make it (:func:`worker.envs.make_env`)."""
+    from worker.envs import EnvError, make_env
 
     try:
-        gym.make(env_id).close()
-    except (ImportError, gym.error.DependencyNotInstalled) as exc:
+        make_env(env_id, seed=0).close()
+    except (ImportError, EnvError) as exc:
         raise SystemExit(f"bench peers: {env_id} cannot be made with {sys.executable} ({type(exc).__name__}: {exc}); "
                          f"install its packages there first, e.g. `{sys.executable} -m pip install mujoco imageio` "
                          "for the MuJoCo tasks (the peers' venvs get mujoco themselves)") from exc
