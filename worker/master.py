@@ -277,7 +277,7 @@ class Master(Starting):
         before, self._phase = self._phase, "writing a checkpoint"  # what summary.json names if this raises
         self.learner.checkpoint()  # brings the learner's own variables up to date
         path = self.ckpt.save(self.tally.c, list(self.tally.recent))
-        save_checkpoint_policy(self.files, self.tally.c.updates, self._policy_arrays(), self.ckpt.manager.checkpoints)
+        save_checkpoint_policy(self.files, self.tally.c.updates, self._policy_arrays(), self.ckpt.checkpoints)
         self._phase = before
         self.tally.last_ckpt = (self.tally.c.updates, time.monotonic(), path)
         log.debug("checkpoint %s", path)

@@ -10,7 +10,7 @@ Layout (``<results root>/<run id>/``)::
     metrics.jsonl     one JSON object per line: "episodes" and "progress" records   master
     summary.json      the outcome, written once at the end              master
     tensorboard/      TensorBoard event files                           master
-    checkpoints/      tf.train.CheckpointManager checkpoints            master
+    checkpoints/      TensorFlow checkpoints (ckpt-N, the state file)   master
     model/            final_model.keras, policy.npz, policy.json       master
     learning_curve.png                                                  master
     logs/             master.log, group-<N>.log (process backend)       launcher
