@@ -101,6 +101,11 @@ def _first_step(results: Path) -> list[str]:
     return out + [""]
 
 
+def _bracketed(data: dict[str, Any]) -> bool:
+    """Whether an actors record measured its baseline on both sides of each system run."""
+    return any("single_before_after" in r for row in data.get("table", []) for r in row.get("runs", []))
+
+
 def _actor_table(d: dict[str, Any], groups: int | None = None) -> list[str]:
     """An actor-efficiency result (``python -m bench actors``) as a table: each row's rates, ratio, 2-core bound
     (:func:`two_core_bounds`) and the ratio's share of it, and the ratios of the runs."""
@@ -201,7 +206,9 @@ def write_report(results: Path, doc: Path) -> None:
                 "without training, so this isolates acting, transport and the rounds; learning-bound speed is sections 1",
                 "and 2b); rate from the master's metrics after the first steps. Baseline: one process stepping the same",
                 "number of envs the same way (one `make_vector_env`, gymnasium's numpy CartPole; the same numpy policy),",
-                f"no transport, no learning. Medians of {actors.get('reps', 1)} interleaved runs. *2-core bound*: the",
+                "no transport, no learning" + ("; run just before and just after each system run and the two averaged"
+                                               " (this machine's speed drifts)" if _bracketed(actors) else "") +
+                f". Medians of {actors.get('reps', 1)} interleaved runs. *2-core bound*: the",
                 "plan's groups (one up to 16 workers, the learner keeping a core; two of 16 at 32), each alone on a core",
                 "with no transport, at one process's rate for their size, over one process's rate at all the workers",
                 "(1.0 while one group plays). Target (issue 28): ≥ 0.9 × the bound at 8 and at 32 workers.", ""]

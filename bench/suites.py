@@ -216,11 +216,16 @@ def actor_efficiency(worker_counts: list[int], steps: int, reps: int = 3, env_id
         runs = []
         plan = ("--groups", str(min(groups, w))) if groups else ()
         for _ in range(reps):
+            # The baseline just before and just after the system run, averaged: this machine's speed drifts by
+            # 10-20 % over a minute, and a baseline on one side only reads that drift as the system's.
+            before = _single_process_rate(w, steps // 4, env_id, n_steps)
             with tempfile.TemporaryDirectory() as tmp:
                 system = _system_rate(Path(tmp), w, steps, *LEARNING_OFF, "--set", f"n_steps={n_steps}", *plan,
                                       env_id=env_id)
-            single = _single_process_rate(w, steps // 2, env_id, n_steps)
-            runs.append({"system": system, "single": single, "ratio": system / single})
+            after = _single_process_rate(w, steps // 4, env_id, n_steps)
+            single = (before + after) / 2
+            runs.append({"system": system, "single": single, "ratio": system / single,
+                         "single_before_after": [before, after]})
         table.append({"workers": w, "system_env_steps_per_s": median([r["system"] for r in runs]),
                       "single_process_env_steps_per_s": median([r["single"] for r in runs]),
                       "ratio": median([r["ratio"] for r in runs]), "runs": runs})
