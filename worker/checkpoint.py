@@ -134,7 +134,7 @@ class TracedWrite:
     """``checkpoint.write(prefix)`` as a ``tf.function``, traced again whenever the object graph changed.
 
     The graph's fingerprint is the identity of every object reachable from the checkpoint, in TensorFlow's own
-    breadth-first order. The traced function holds the variables it saves, so none of their identities can be
+    breadth-first order (a graph holding Python state is written eagerly instead). The traced function holds the variables it saves, so none of their identities can be
     reused by a new object while it lives: a variable added, removed or replaced always changes the fingerprint.
     """
 
@@ -147,12 +147,19 @@ class TracedWrite:
     def __call__(self, prefix: str) -> None:
         import tensorflow as tf
 
-        graph = tuple(id(obj) for obj in tf.train.TrackableView(self.checkpoint).descendants())
-        if self._fn is None or graph != self._graph:
-            self._fn = tf.function(self.checkpoint.write)
+        objects = tf.train.TrackableView(self.checkpoint).descendants()
+        graph = tuple(id(obj) for obj in objects)
+        if not self._graph or graph != self._graph:
+            # Python state (``tf.train.experimental.PythonState``) is serialised by Python code, which a trace would
+            # run once and freeze: a graph holding any is written eagerly, as ``tf.train.Checkpoint`` does.
+            eager = any(isinstance(obj, tf.train.experimental.PythonState) for obj in objects)
+            self._fn = None if eager else tf.function(self.checkpoint.write)
             self._graph = graph
-            self.traces += 1
-        self._fn(tf.constant(prefix))
+            self.traces += 0 if eager else 1
+        if self._fn is None:
+            self.checkpoint.write(prefix)
+        else:
+            self._fn(tf.constant(prefix))  # a tensor: a new prefix is not a new trace
 
 
 def write_state(directory: Path, saved: list[tuple[str, float]], since: float) -> None:

@@ -107,3 +107,28 @@ def test_a_resumed_run_restores_and_keeps_rotating_what_an_earlier_launcher_wrot
     assert not list(tmp_path.glob("ckpt-5.*"))
     assert tf.train.CheckpointManager(tf.train.Checkpoint(), str(tmp_path), max_to_keep=3).checkpoints == \
         resumed.checkpoints
+
+
+class Cursor(tf.train.experimental.PythonState):
+    """Python state a learner may checkpoint: serialised by Python code on every save."""
+
+    def __init__(self) -> None:
+        self.position = 0
+
+    def serialize(self) -> str:
+        return str(self.position)
+
+    def deserialize(self, string_value: str) -> None:
+        self.position = int(string_value)
+
+
+def test_python_state_is_saved_as_it_is_at_each_save(tmp_path: Path) -> None:
+    """A trace would run a PythonState's serialize once and freeze its value: such a graph is written eagerly."""
+    cursor = Cursor()
+    ck = Checkpointer(tmp_path, {"stats": Stats(), "cursor": cursor}, window=4)
+    for n in (1, 2):
+        cursor.position = 10 * n
+        ck.save(Counters(updates=n), [])
+    again = Cursor()
+    Checkpointer(tmp_path, {"stats": Stats(), "cursor": again}, window=4).restore_latest()
+    assert again.position == 20
