@@ -134,8 +134,9 @@ class TracedWrite:
     """``checkpoint.write(prefix)`` as a ``tf.function``, traced again whenever the object graph changed.
 
     The graph's fingerprint is the identity of every object reachable from the checkpoint, in TensorFlow's own
-    breadth-first order (a graph holding Python state is written eagerly instead). The traced function holds the variables it saves, so none of their identities can be
+    breadth-first order. The traced function holds the variables it saves, so none of their identities can be
     reused by a new object while it lives: a variable added, removed or replaced always changes the fingerprint.
+    A graph holding Python state is written eagerly instead.
     """
 
     def __init__(self, checkpoint: Any) -> None:
