@@ -113,6 +113,9 @@ class Checkpointer:
             except (tf.errors.OpError, ValueError, AssertionError, IndexError) as exc:
                 log.warning("checkpoint %s is unreadable (%s: %s); trying an older one", path,
                             type(exc).__name__, exc)
+                # No longer listed from the next save on (its files stay, for a look): the state file then names
+                # only checkpoints that restore, even when this run's next save reuses an older number.
+                self.checkpoints = [p for p in self.checkpoints if p != path]
                 continue
             values = self._counters.numpy().tolist()
             counters = Counters(**dict(zip(COUNTERS, (int(v) for v in values))))
