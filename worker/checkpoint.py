@@ -78,6 +78,8 @@ class Checkpointer:
 
     def save(self, counters: Counters, recent_returns: list[float]) -> str:
         """Write ``ckpt-<updates>``, then name it in the state file, then delete what falls out of it."""
+        import tensorflow as tf
+
         self._counters.assign(np.array([getattr(counters, k) for k in COUNTERS], np.int64))
         window = self._returns.shape[0]
         recent = np.asarray(recent_returns[-window:], np.float64)
@@ -86,7 +88,9 @@ class Checkpointer:
         self._returns.assign(buf)
         self._n_returns.assign(len(recent))
         path = str(self.directory / f"ckpt-{counters.updates}")
-        self.directory.mkdir(parents=True, exist_ok=True)  # TensorFlow's traced write does not make it
+        # TensorFlow's traced write does not make the directory; its eager write did, as this does (and fails the
+        # same way when something else is in its place).
+        tf.io.gfile.makedirs(str(self.directory))
         self._write(path)
         self._saved_at[path] = time.time()
         kept = [p for p in self.checkpoints if p != path] + [path]
@@ -162,8 +166,25 @@ class TracedWrite:
             self.traces += 0 if eager else 1
         if self._fn is None:
             self.checkpoint.write(prefix)
-        else:
+            return
+        try:
             self._fn(tf.constant(prefix))  # a tensor: a new prefix is not a new trace
+        except tf.errors.OpError as exc:
+            # A graph's error is TensorFlow's trace of where the op was defined, then the cause: raised again with
+            # the cause alone (one line naming the path, as an eager write says it), for summary.json and status.
+            try:
+                again = type(exc)(exc.node_def, exc.op, graph_error_cause(exc.message))
+            except TypeError:
+                raise exc from None
+            raise again from exc
+
+
+def graph_error_cause(message: str) -> str:
+    """The cause in a ``tf.function``'s error message: its last line that is not part of the "Graph execution
+    error: Detected at node ... defined at" trace nor the indented node and op names after it."""
+    own = [line for line in message.splitlines() if line.strip() and not line.startswith(
+        ("Graph execution error", "Detected at node", " ", "\t"))]
+    return own[-1] if own else message
 
 
 def write_state(directory: Path, saved: list[tuple[str, float]], since: float) -> None:

@@ -12,7 +12,7 @@ import pytest
 
 tf = pytest.importorskip("tensorflow")
 
-from worker.checkpoint import Checkpointer, Counters  # noqa: E402
+from worker.checkpoint import Checkpointer, Counters, TracedWrite  # noqa: E402
 
 
 class Stats(tf.Module):
@@ -156,3 +156,19 @@ def test_a_damaged_checkpoint_is_skipped_on_restore_and_no_longer_listed(tmp_pat
     for path in listed:
         tf.train.Checkpoint(stats=Stats()).restore(path).expect_partial()
     assert torn.exists()
+
+
+def test_a_failed_write_says_what_went_wrong_in_one_line(tmp_path: Path) -> None:
+    """The traced write's errors carry TensorFlow's graph trace; what the run records is the cause alone, as the
+    eager write said it (here: the directory replaced by a file, before the save and during it)."""
+    ck = Checkpointer(tmp_path / "checkpoints", {"stats": Stats()}, window=4)
+    ck.save(Counters(updates=1), [])
+    shutil.rmtree(tmp_path / "checkpoints")
+    (tmp_path / "checkpoints").write_text("not a directory\n")
+    write = TracedWrite(tf.train.Checkpoint(stats=Stats()))
+    for fail in (lambda: ck.save(Counters(updates=2), []), lambda: write(str(tmp_path / "checkpoints" / "ckpt-2"))):
+        with pytest.raises(tf.errors.OpError) as info:
+            fail()
+        message = info.value.message
+        assert "\n" not in message and "Graph execution error" not in message, message
+        assert "not a directory" in message.lower(), message
