@@ -51,8 +51,18 @@ def lease_holders(leases: LeaseDir) -> dict[str, str]:
     out = {}
     for h in leaseholders.list_holders(leases):
         seen = _process(h.pid) if h.pid else None
+        if not h.run_id and seen is None and h.pid and _exiting(h.pid):
+            continue  # its holder is exiting (its lock goes with it): not a second run (CI 2026-11-29 02:11)
         out[h.uuid] = h.run_id or (seen[0] if seen else f"pid {h.pid}")
     return out
+
+
+def _exiting(pid: int) -> bool:
+    """Whether ``pid`` is gone or a zombie: a process whose command line can no longer be read while it exits."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except (OSError, IndexError):
+        return True
 
 
 class Sampler(threading.Thread):
