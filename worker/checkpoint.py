@@ -72,9 +72,14 @@ class Checkpointer:
         paths = list(state.all_model_checkpoint_paths) if state is not None else []
         stamps = list(state.all_model_checkpoint_timestamps) if state is not None else []
         self._since = state.last_preserved_timestamp if state is not None else time.time()
-        self._saved_at = dict(zip(paths, stamps if len(stamps) == len(paths) else [self._since] * len(paths)))
-        self.checkpoints: list[str] = paths
+        # The listed checkpoints, oldest first, each with the time it was saved.
+        self._kept = dict(zip(paths, stamps if len(stamps) == len(paths) else [self._since] * len(paths)))
         self._write = TracedWrite(self.checkpoint)
+
+    @property
+    def checkpoints(self) -> list[str]:
+        """The checkpoints the state file lists, oldest first."""
+        return list(self._kept)
 
     def save(self, counters: Counters, recent_returns: list[float]) -> str:
         """Write ``ckpt-<updates>``, then name it in the state file, then delete what falls out of it."""
@@ -92,12 +97,13 @@ class Checkpointer:
         # same way when something else is in its place).
         tf.io.gfile.makedirs(str(self.directory))
         self._write(path)
-        self._saved_at[path] = time.time()
-        kept = [p for p in self.checkpoints if p != path] + [path]
-        dropped, self.checkpoints = kept[:-self.max_to_keep], kept[-self.max_to_keep:]
-        write_state(self.directory, [(p, self._saved_at.get(p, self._since)) for p in self.checkpoints], self._since)
+        self._kept.pop(path, None)  # saved again (the same number): now the newest
+        self._kept[path] = time.time()
+        dropped = list(self._kept)[:-self.max_to_keep]
         for old in dropped:
-            self._saved_at.pop(old, None)
+            del self._kept[old]
+        write_state(self.directory, list(self._kept.items()), self._since)
+        for old in dropped:
             delete_checkpoint(old)
         return path
 
@@ -119,7 +125,7 @@ class Checkpointer:
                             type(exc).__name__, exc)
                 # No longer listed from the next save on (its files stay, for a look): the state file then names
                 # only checkpoints that restore, even when this run's next save reuses an older number.
-                self.checkpoints = [p for p in self.checkpoints if p != path]
+                del self._kept[path]
                 continue
             values = self._counters.numpy().tolist()
             counters = Counters(**dict(zip(COUNTERS, (int(v) for v in values))))
