@@ -1,7 +1,10 @@
 """The judge of the elastic-run tests (tests/unit/gpu/test_elastic_runs.py, tests/docker/test_gpu_detached.py): every
 50 ms, per GPU, the runs that hold its lease (the kernel's lock table) or run a worker group on it (every group
 process on this host, a container's included: its run from its ``--spec`` path or its ``LAUNCHER_SPEC``, its GPUs
-from its ``CUDA_VISIBLE_DEVICES``). No GPU may ever be held by, or run a group of, two runs at one instant."""
+from its ``CUDA_VISIBLE_DEVICES``). No GPU may ever be held by, or run a group of, two runs at one instant.
+
+Only the test's own runs count (a run with a directory in one of its results directories): other tests run at the
+same time (pytest-xdist) with the same made-up GPU UUIDs, in lease directories of their own."""
 
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ import os
 import threading
 import time
 from pathlib import Path
+from typing import Callable, Sequence
 
 from launcher.gpu import leaseholders
 from launcher.gpu.reservations import LeaseDir
@@ -34,12 +38,12 @@ def _process(pid: int | str) -> tuple[str, set[str], bool] | None:
     return run, gpus, b"group" in argv
 
 
-def groups_on_gpus() -> dict[str, set[str]]:
-    """GPU UUID -> the runs with a worker group process on it now."""
+def groups_on_gpus(mine: Callable[[str], bool] = lambda run: True) -> dict[str, set[str]]:
+    """GPU UUID -> the runs (those ``mine`` accepts) with a worker group process on it now."""
     out: dict[str, set[str]] = {}
     for pid in (p for p in os.listdir("/proc") if p.isdigit()):
         seen = _process(pid)
-        if seen is not None and seen[2]:
+        if seen is not None and seen[2] and mine(seen[0]):
             for uuid in seen[1]:
                 out.setdefault(uuid, set()).add(seen[0])
     return out
@@ -69,9 +73,10 @@ class Sampler(threading.Thread):
     """Samples every 50 ms until ``stop_`` is set: ``both`` collects each (GPU, runs) seen with two runs or more at
     one instant, ``ever`` every run seen on each GPU (so a test shows the sampler saw what it judges)."""
 
-    def __init__(self, leases: LeaseDir) -> None:
+    def __init__(self, leases: LeaseDir, results: Sequence[Path]) -> None:
         super().__init__(daemon=True)
         self.ld = leases
+        self.results = tuple(results)  # the test's results directories: the runs that count
         self.stop_ = threading.Event()
         self.samples = 0
         self.both: list[tuple[str, set[str]]] = []
@@ -82,7 +87,7 @@ class Sampler(threading.Thread):
     def run(self) -> None:
         while not self.stop_.is_set():
             users: dict[str, set[str]] = {}
-            leases, groups = lease_holders(self.ld), groups_on_gpus()
+            leases, groups = lease_holders(self.ld), groups_on_gpus(self._mine)
             for uuid, run in leases.items():
                 users.setdefault(uuid, set()).add(run)
             for uuid, runs in groups.items():
@@ -103,3 +108,6 @@ class Sampler(threading.Thread):
                 self.ever.setdefault(u, set()).update(r)
             self.samples += 1
             self.stop_.wait(0.05)
+
+    def _mine(self, run: str) -> bool:
+        return any((r / run).is_dir() for r in self.results)

@@ -317,7 +317,7 @@ def test_an_elastic_docker_run_yields_two_groups_to_a_queued_run_and_grows_back(
         logs[who].flush()
         return (box.base / f"{who}.log").read_text()[-4000:]
 
-    sampler = Sampler(box.leases)
+    sampler = Sampler(box.leases, list(results.values()))
     sampler.start()
     alice = up("alice", "--gpus", "0,1,2,3", "--workers", "8", "--groups", "4", "--elastic", "2",
                "--max-steps", "100000000", "--timeout", "900")

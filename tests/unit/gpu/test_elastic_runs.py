@@ -80,7 +80,8 @@ class Up:
 
 def test_an_elastic_run_yields_two_groups_to_a_queued_run_and_grows_back(box: Box) -> None:
     alice, bob = box.users
-    sampler = Sampler(reservations.LeaseDir(box.plain.leases, box.plain))
+    sampler = Sampler(reservations.LeaseDir(box.plain.leases, box.plain),
+                      [box.base / f"results-{who}" for who in ("alice", "bob")])
     sampler.start()
     a = Up(box, alice, "alice", "--gpus", "0,1,2,3", "--workers", "8", "--groups", "4", "--elastic", "2",
            "--max-steps", "100000000", "--timeout", "600", "--seed", "1")

@@ -37,7 +37,8 @@ def test_inventory_fields(nvml_stub: NvmlStub) -> None:
     (proc,) = g0.processes
     assert proc.pid == me and proc.used_memory_bytes == 2 * GiB
     assert proc.user == nvml.current_user()
-    assert proc.command is not None and "pytest" in proc.command  # from /proc/<pid>/cmdline
+    argv0 = Path(f"/proc/{me}/cmdline").read_bytes().split(b"\0")[0].decode()
+    assert proc.command is not None and proc.command.split()[0] == argv0  # from /proc/<pid>/cmdline
     assert proc.gpu_instance_id is None and proc.compute_instance_id is None  # 0xFFFFFFFF: not in MIG
     assert g0.mig_mode is False and g0.mig_devices == ()
     # NOT_SUPPORTED utilisation is "unknown", not a broken GPU
