@@ -4,7 +4,7 @@
 # with gcc. Extra arguments go to pytest (e.g. -m "not docker", -k fuzz).
 #
 # Two pytest-xdist workers: one runs, in order, every test that shares the Docker engine, the test beds, Slurm or
-# the fault suite's view of the host (the "serial" group, tests/conftest.py), the other the unit tests meanwhile,
+# host-wide state (the "serial" group, tests/conftest.py), the other the unit tests meanwhile,
 # each in temporary directories of its own (timings: README, Tests). LAUNCHER_TEST_JOBS=0 runs everything in one
 # process, in the same order.
 set -euo pipefail
@@ -12,4 +12,4 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
 scripts/setup.sh
 jobs=${LAUNCHER_TEST_JOBS:-2}
-exec .venv/bin/python -m pytest -q -p no:cacheprovider --durations=40 -n "$jobs" --dist loadgroup "$@"
+exec .venv/bin/python -m pytest -q -p no:cacheprovider --durations=40 -n "$jobs" "$@"
