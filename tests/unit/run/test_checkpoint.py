@@ -66,23 +66,24 @@ def test_a_variable_made_after_the_first_save_is_in_the_next_checkpoint(tmp_path
 
 
 def test_the_newest_are_kept_and_listed_where_tensorflow_reads_them(tmp_path: Path) -> None:
+    where = tmp_path / "checkpoints"
     stats = Stats()
-    ck = Checkpointer(tmp_path, {"stats": stats}, window=4, max_to_keep=3)
+    ck = Checkpointer(where, {"stats": stats}, window=4, max_to_keep=3)
     for i in range(1, 6):
         ck.save(Counters(updates=10 * i), [])
-    names = [str(tmp_path / f"ckpt-{n}") for n in (30, 40, 50)]
+    names = [str(where / f"ckpt-{n}") for n in (30, 40, 50)]
     assert ck.checkpoints == names
-    on_disk = {p.name.split(".")[0] for p in tmp_path.iterdir() if p.name.startswith("ckpt-")}
+    on_disk = {p.name.split(".")[0] for p in where.iterdir() if p.name.startswith("ckpt-")}
     assert on_disk == {"ckpt-30", "ckpt-40", "ckpt-50"}  # the older ones' files are gone
-    assert [p.name for p in tmp_path.iterdir() if "tmp" in p.name] == []
+    assert [p.name for p in where.iterdir() if "tmp" in p.name] == []
     # TensorFlow's own readers: the state file it writes, in its format
-    assert tf.train.latest_checkpoint(str(tmp_path)) == names[-1]
-    assert tf.train.CheckpointManager(tf.train.Checkpoint(), str(tmp_path), max_to_keep=3).checkpoints == names
+    assert tf.train.latest_checkpoint(str(where)) == names[-1]
+    assert tf.train.CheckpointManager(tf.train.Checkpoint(), str(where), max_to_keep=3).checkpoints == names
     # names are relative to the directory: mounted elsewhere (the host and a container) it still reads
-    moved = tmp_path.parent / "moved"
-    shutil.copytree(tmp_path, moved)
+    moved = tmp_path / "moved"
+    shutil.copytree(where, moved)
     assert tf.train.latest_checkpoint(str(moved)) == str(moved / "ckpt-50")
-    assert str(tmp_path) not in (moved / "checkpoint").read_text()
+    assert str(where) not in (moved / "checkpoint").read_text()
 
 
 def test_a_resumed_run_restores_and_keeps_rotating_what_an_earlier_launcher_wrote(tmp_path: Path) -> None:
