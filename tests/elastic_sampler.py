@@ -3,8 +3,9 @@
 process on this host, a container's included: its run from its ``--spec`` path or its ``LAUNCHER_SPEC``, its GPUs
 from its ``CUDA_VISIBLE_DEVICES``). No GPU may ever be held by, or run a group of, two runs at one instant.
 
-Only the test's own runs count (a run with a directory in one of its results directories): other tests run at the
-same time (pytest-xdist) with the same made-up GPU UUIDs, in lease directories of their own."""
+Only the test's own runs count (a run with a directory in one of its results directories): another test session on
+the host (a second checkout, a parallel runner) runs groups on the same made-up GPU UUIDs, in lease directories of its
+own; under two pytest-xdist workers such a run showed on GPU 0 beside alice's lease for 78 samples."""
 
 from __future__ import annotations
 
