@@ -39,7 +39,7 @@ def _process(pid: int | str) -> tuple[str, set[str], bool] | None:
     return run, gpus, b"group" in argv
 
 
-def groups_on_gpus(mine: Callable[[str], bool] = lambda run: True) -> dict[str, set[str]]:
+def groups_on_gpus(mine: Callable[[str], bool]) -> dict[str, set[str]]:
     """GPU UUID -> the runs (those ``mine`` accepts) with a worker group process on it now."""
     out: dict[str, set[str]] = {}
     for pid in (p for p in os.listdir("/proc") if p.isdigit()):
