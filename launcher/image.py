@@ -273,7 +273,6 @@ def choose_build_path(mode: str, options: BuildOptions, client: "DockerClient", 
 EXTRAS_LABEL = "launcher.extras"  # hash of the base image and the extras: what the derived tag is named after
 EXTRAS_PACKAGES_LABEL = "launcher.extras.packages"  # JSON list of what --with added
 EXTRAS_BASE_LABEL = "launcher.extras.base"  # the base image's reference
-EXTRAS_DOCKERFILE = "docker/Dockerfile.extras"
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,10 @@
 """``--with`` extras: the worker image plus a few packages, as a small derived image.
 
-``FROM base``, the extras installed from wheels downloaded on this host, no network in the build
-(``docker/Dockerfile.extras``). Tagged :func:`launcher.image.extras_tag` (the base's tag with ``-with-<hash>``);
-an image with that tag on the engine is taken as it is. The recipe (values, hash, tag) is in
-:mod:`launcher.image`; the build step shared with the base image in :mod:`launcher.image_engine_build`.
+The extras' wheels are downloaded on this host, then pip installs them into the base image's venv in a throw-away
+container with no network, and that container is committed as the derived image (one layer, the base's own
+configuration, the labels below): one commit, not a ``docker build`` of several steps, each of which costs a
+commit. Tagged :func:`launcher.image.extras_tag` (the base's tag with ``-with-<hash>``); an image with that tag on
+the engine is taken as it is. The recipe (values, hash, tag) is in :mod:`launcher.image`.
 """
 
 from __future__ import annotations
@@ -21,12 +22,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from launcher.engine.client import connect_client
-from launcher.engine.images import image_exists, inspect_image, remove_untagged
+from launcher.engine.images import commit_layer, image_exists, inspect_image, remove_untagged
 from launcher.errors import MissingDependency
-from launcher.image import (EXTRAS_BASE_LABEL, EXTRAS_DOCKERFILE, EXTRAS_LABEL, EXTRAS_PACKAGES_LABEL, BuildOptions,
-                            BuildResult, extras_hash, extras_tag, find_context)
+from launcher.image import (EXTRAS_BASE_LABEL, EXTRAS_LABEL, EXTRAS_PACKAGES_LABEL, BuildResult, extras_hash,
+                            extras_tag, find_context)
 from launcher.image_cancel import stoppable
-from launcher.image_engine_build import docker_build, normalize
+from launcher.image_engine_build import ImageBuildFailed, normalize
 from launcher.image_progress import BuildReporter, BuildStatus, Progress, as_reporter
 
 if TYPE_CHECKING:
@@ -34,6 +35,12 @@ if TYPE_CHECKING:
     from launcher.image import Extra
 
 EXTRAS_CACHE = "docker/wheels/extras"  # under the context: wheels pip downloaded for --with, kept between builds
+STAGE = "launcher-extras"  # the wheels and requirements.txt, under /tmp in the build container (gone before the commit)
+# Into the base's venv itself: what it has already is "already satisfied"; what an extra needs newer replaces the
+# old version cleanly. The staged wheels are removed in the same container, so the layer never holds them.
+INSTALL = ["sh", "-c", f"/opt/venv/bin/pip install --no-index --find-links /tmp/{STAGE}/wheels --no-warn-script-location "
+           f"-r /tmp/{STAGE}/requirements.txt; status=$?; rm -rf /tmp/{STAGE}; exit $status"]
+INSTALL_TIMEOUT_S = 1800
 _SAVED = re.compile(r"^\s*(?:Saved|File was already downloaded)\s+(\S+\.whl)\s*$")
 
 
@@ -87,15 +94,15 @@ def download_extras(extras: tuple["Extra", ...], dest: Path, report: BuildReport
 def build_extras_image(base: str, extras: tuple["Extra", ...], *, client: "DockerClient | None" = None,
                        progress: Progress = lambda line: None, on_build: Callable[[BuildStatus], None] | None = None,
                        context: Path | None = None, no_cache: bool = False) -> BuildResult:
-    """Build (or find) the image ``base`` plus ``extras``: ``FROM base``, the extras installed from wheels
-    downloaded on this host, no network in the build (``docker/Dockerfile.extras``). Tagged
+    """Build (or find) the image ``base`` plus ``extras``: the extras installed from wheels downloaded on this
+    host into ``base``'s venv, in a container with no network, committed as one layer. Tagged
     :func:`launcher.image.extras_tag` (the base's tag with ``-with-<hash>``), labelled ``launcher.extras``.
     An image with that tag on the engine is taken as it is (seconds).
 
     Raises:
         MissingDependency: the base is not on the engine, or the wheels cannot be downloaded.
-        ImageBuildFailed: pip inside the build failed (the message has its output).
-        BuildInterrupted: SIGINT/SIGTERM; the build's layers are removed.
+        ImageBuildFailed: pip inside the container failed (the message has its output).
+        BuildInterrupted: SIGINT/SIGTERM; the build container is removed and nothing is tagged.
     """
     client = client or connect_client()
     root = context or find_context()
@@ -106,33 +113,44 @@ def build_extras_image(base: str, extras: tuple["Extra", ...], *, client: "Docke
     digest = extras_hash(base_id, extras)
     tag = extras_tag(base, digest)
     t0 = time.monotonic()
-    if image_exists(tag, client) and not no_cache:
+    old = inspect_image(tag, client) if image_exists(tag, client) else None
+    if old is not None and not no_cache:
         progress(f"image {tag} (with {' '.join(e.spec for e in extras)}) is on the engine already")
-        info = inspect_image(tag, client)
-        return BuildResult(tag, str(info["Id"]), int(info.get("Size", 0)), 0.0)
+        return BuildResult(tag, str(old["Id"]), int(old.get("Size", 0)), 0.0)
     report = BuildReporter(tag, progress, on_build)
-    with stoppable(report, client) as layers:
+    with stoppable(report, client):
         report.enter("wheels")
         files = download_extras(extras, root / EXTRAS_CACHE, report, find_links=(root / "docker" / "wheels" / "cpu",))
-        requirements = [f"/wheels/{e.wheel.name}" if e.wheel is not None else e.spec for e in extras]
-        report.enter("docker build")
-        report.say(f"building {tag} FROM {base} with {' '.join(e.spec for e in extras)} (no network)")
+        requirements = [f"/tmp/{STAGE}/wheels/{e.wheel.name}" if e.wheel is not None else e.spec for e in extras]
+        report.enter("install")
+        report.say(f"installing {' '.join(e.spec for e in extras)} into {base} (no network), committed as {tag}")
         with tempfile.TemporaryFile() as fileobj:
             with tarfile.open(fileobj=fileobj, mode="w") as tar:
-                tar.add(root / EXTRAS_DOCKERFILE, arcname="Dockerfile", filter=normalize)
                 for f in files:
-                    tar.add(f, arcname=f"wheels/{f.name}", filter=normalize)
+                    tar.add(f, arcname=f"{STAGE}/wheels/{f.name}", filter=normalize)
                 data = ("\n".join(requirements) + "\n").encode()
-                member = tarfile.TarInfo("requirements.txt")
+                member = tarfile.TarInfo(f"{STAGE}/requirements.txt")
                 member.size = len(data)
                 tar.addfile(normalize(member), io.BytesIO(data))
             fileobj.seek(0)
             labels = {EXTRAS_LABEL: digest, EXTRAS_PACKAGES_LABEL: json.dumps([e.key for e in extras]),
                       EXTRAS_BASE_LABEL: base}
-            docker_build(client, fileobj, BuildOptions(tag=tag, base_image=base, context=root), report, layers,
-                         buildargs={"BASE_IMAGE": base}, network_none=True, no_cache=no_cache, labels=labels)
-    # The extras stage (wheels inside) is no use once the tagged image exists: that tag is the cache.
-    remove_untagged(layers, client)
+            status, output, image_id = commit_layer(
+                client, base, fileobj, command=INSTALL, tag=tag, labels=labels,
+                comment=f"launcher build --with {' '.join(e.key for e in extras)}", timeout_s=INSTALL_TIMEOUT_S)
+        lines = [line.rstrip() for line in output.splitlines() if line.strip()]
+        for line in lines:
+            report.output(line)
+        if image_id is None:
+            detail = "\n".join(f"    {line}" for line in lines[-10:])
+            raise ImageBuildFailed(
+                f"installing {' '.join(e.spec for e in extras)} into {base} failed: pip exited with status {status}"
+                + (f"\n  last output:\n{detail}" if detail else ""),
+                hint="pip's output is above (`launcher build --with ...` prints it): check that the package "
+                     "installs on CPython 3.11 beside what the base image has")
+    # Rebuilt over an existing tag (--no-cache): the image it named is no use any more.
+    if old is not None and str(old["Id"]) != image_id:
+        remove_untagged([str(old["Id"])], client)
     info = inspect_image(tag, client)
     result = BuildResult(tag, str(info["Id"]), int(info.get("Size", 0)), time.monotonic() - t0)
     progress(f"built {tag} ({result.image_id[7:19]}, FROM {base} with {' '.join(e.spec for e in extras)}) "

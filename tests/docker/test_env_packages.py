@@ -20,7 +20,7 @@ import pytest
 
 from launcher.engine import labels as dc
 from launcher.engine.client import Engine
-from launcher.image import EXTRAS_LABEL, EXTRAS_PACKAGES_LABEL
+from launcher.image import EXTRAS_BASE_LABEL, EXTRAS_LABEL, EXTRAS_PACKAGES_LABEL
 from tests.docker_fixtures import ours
 from tests.helpers import ROOT, child_env, launcher_cmd
 
@@ -63,15 +63,24 @@ def test_build_with_a_wheel_makes_a_small_derived_image(extras_image: str, launc
     labels = attrs["Config"]["Labels"]
     assert extras_image.endswith(labels[EXTRAS_LABEL])
     assert json.loads(labels[EXTRAS_PACKAGES_LABEL])[0].startswith(envpkg_wheel.name + "@sha256:")
-    assert attrs["Config"]["User"] == docker_client.api.inspect_image(launcher_image)["Config"]["User"]
+    base = docker_client.api.inspect_image(launcher_image)
+    for key in ("User", "Entrypoint", "Cmd", "Env", "WorkingDir"):  # the base's own configuration, not the build's
+        assert attrs["Config"].get(key) == base["Config"].get(key), key
     # One small layer on top of the base: the wheels stay out of it.
-    base_layers = docker_client.api.inspect_image(launcher_image)["RootFS"]["Layers"]
-    assert attrs["RootFS"]["Layers"][:len(base_layers)] == base_layers
-    assert len(attrs["RootFS"]["Layers"]) == len(base_layers) + 1
-    assert attrs["Size"] - docker_client.api.inspect_image(launcher_image)["Size"] < 5 * 2**20
-    # Nothing of the build is left but the tagged image: the extras stage (with the wheels) is removed.
-    dangling = set(docker_client.api.images(filters={"dangling": True}, quiet=True)) - DANGLING_BEFORE
-    assert not [i for i in dangling if "/opt/extras" in json.dumps(docker_client.api.history(i)[:1])]
+    assert attrs["RootFS"]["Layers"][:len(base["RootFS"]["Layers"])] == base["RootFS"]["Layers"]
+    assert len(attrs["RootFS"]["Layers"]) == len(base["RootFS"]["Layers"]) + 1
+    assert attrs["Size"] - base["Size"] < 5 * 2**20
+    # Nothing of the build is left but the tagged image: no untagged image, no build container.
+    assert set(docker_client.api.images(filters={"dangling": True}, quiet=True)) - DANGLING_BEFORE == set()
+    assert docker_client.api.containers(all=True, filters={"label": f"{EXTRAS_LABEL}={labels[EXTRAS_LABEL]}"}) == []
+    assert {k: v for k, v in labels.items() if k not in base["Config"]["Labels"]} == {
+        EXTRAS_LABEL: labels[EXTRAS_LABEL], EXTRAS_PACKAGES_LABEL: labels[EXTRAS_PACKAGES_LABEL],
+        EXTRAS_BASE_LABEL: launcher_image}  # the build's own labels and nothing else
+    # The package is in the venv, and the staged wheels are not in the image.
+    probe = docker_client.containers.run(
+        extras_image, entrypoint=["sh", "-c", "test ! -e /tmp/launcher-extras && python -c 'import launcher_test_envpkg'"],
+        network_disabled=True, remove=True, labels={dc.RUN_LABEL: "test-extras-probe"}, stderr=True)
+    assert probe == b""
     # Asked again (same base, same wheel): the same tag, found on the engine, no build.
     done = subprocess.run(launcher_cmd("build", "--offline", "--with", str(envpkg_wheel)), cwd=ROOT, env=child_env(),
                           capture_output=True, text=True, timeout=600)
