@@ -1,4 +1,4 @@
-"""``python -m bench [all|tts|actors|acting|learning|update|transport|memory|launch|report] [--quick]``
+"""``python -m bench [all|tts|actors|acting|learning|update|transport|memory|launch|extras|report] [--quick]``
 
 Runs the benchmarks, prints a table for each, writes ``bench/results/<name>.json`` and plots, and
 regenerates ``docs/benchmarks.md`` from every result present. Each figure is a ratio against a
@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench")
     parser.add_argument("which", nargs="*", default=["all"],
                         choices=["all", "tts", "actors", "acting", "learning", "update", "transport", "memory",
-                                 "launch", "start", "peers", "report"])
+                                 "launch", "start", "peers", "extras", "report"])
     parser.add_argument("--quick", action="store_true", help="fewer seeds and repetitions")
     parser.add_argument("--env", default="CartPole-v1", help="actors: the env (e.g. launcher/Snake-v0, ALE/Pong-v5)")
     parser.add_argument("--workers", default="1,2,4,8,16,32", help="actors: worker counts, comma-separated")
@@ -115,6 +115,13 @@ def main(argv: list[str] | None = None) -> int:
         save("start", data, cmd)
         _print("first env step, 8 workers", data["table"], ("variant", "median_first_step_s", "median_first_segment_s",
                                                             "ratio_vs_tf_first"))
+    if "extras" in which:  # not in "all": it needs the worker image on the Docker engine
+        from bench.extras import extras_build
+
+        data = extras_build(reps=2 if args.quick else 3)
+        save("extras", data, cmd)
+        _print(f"launcher build --with, {data['storage_driver']}", data["table"], ("path", "median_s",
+                                                                                   "ratio_vs_docker_build"))
     if "peers" in which:
         from bench import peers
 

@@ -146,6 +146,24 @@ def _costly_envs(results: Path) -> list[str]:
     return out
 
 
+def _extras(results: Path) -> list[str]:
+    d = _load(results, "extras")
+    if not d:
+        return []
+    out = ["## 5b. `--with`: the derived image in one commit", "",
+           f"Command: `{d['command']}` (section `extras`; not in `all`: it needs the worker image on the engine). "
+           f"`build_extras_image` adding one small wheel ({d['wheel']}) to {d['base']} with `no_cache`, against "
+           "the `docker build` of the multi-stage `docker/Dockerfile.extras` it replaced (in `bench/extras.py`, with "
+           "the same three build labels), in turn, each image removed after it is timed. Engine storage driver: "
+           f"`{d['storage_driver']}`; medians of {d['reps']}; measured {d['meta'].get('date', '?')}, commit "
+           f"`{d['meta'].get('commit', '?')}`.", "",
+           "| path | median s | ratio vs docker build | runs (s) |", "|---|---|---|---|"]
+    for r in d["table"]:
+        out.append(f"| {r['path']} | {_f(r['median_s'], 1)} | {_f(r['ratio_vs_docker_build'])} | "
+                   f"{', '.join(_f(x, 1) for x in r['runs'])} |")
+    return out + [""]
+
+
 def write_report(results: Path, doc: Path) -> None:
     tts, actors, transport, memory, launch = (_load(results, n) for n in ("tts", "actors", "transport", "memory", "launch"))
     _plots(doc.parent, actors, tts)
@@ -304,6 +322,7 @@ def write_report(results: Path, doc: Path) -> None:
         out += ["", "Docker backend: see [docker-backend.md](docker-backend.md) for its launch latency." if docker.exists() else "", ""]
     else:
         out += ["Not measured yet: `python -m bench launch`.", ""]
+    out += _extras(results)
     extra = Path(__file__).resolve().parent / "notes.md"
     if extra.exists():
         out += [extra.read_text()]
