@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from launcher.engine.client import connect_client
-from launcher.engine.images import commit_layer, image_exists, inspect_image, remove_untagged
+from launcher.engine.images import commit_layer, find_image, inspect_image, remove_untagged
 from launcher.errors import MissingDependency
 from launcher.image import (EXTRAS_BASE_LABEL, EXTRAS_LABEL, EXTRAS_PACKAGES_LABEL, BuildResult, extras_hash,
                             extras_tag, find_context)
@@ -106,14 +106,15 @@ def build_extras_image(base: str, extras: tuple["Extra", ...], *, client: "Docke
     """
     client = client or connect_client()
     root = context or find_context()
-    if not image_exists(base, client):
+    found = find_image(base, client)
+    if found is None:
         raise MissingDependency(f"base image {base} is not on this Docker engine; --with builds on top of it",
                                 hint="`launcher build` makes it first (--offline without a registry)")
-    base_id = str(inspect_image(base, client)["Id"])
+    base_id = str(found["Id"])
     digest = extras_hash(base_id, extras)
     tag = extras_tag(base, digest)
     t0 = time.monotonic()
-    old = inspect_image(tag, client) if image_exists(tag, client) else None
+    old = find_image(tag, client)
     if old is not None and not no_cache:
         progress(f"image {tag} (with {' '.join(e.spec for e in extras)}) is on the engine already")
         return BuildResult(tag, str(old["Id"]), int(old.get("Size", 0)), 0.0)
