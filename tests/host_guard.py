@@ -67,6 +67,8 @@ class _Guard:
     users_before: dict[Path, bytes | None] = field(default_factory=dict)
     other_uids: frozenset[int] = frozenset()
     report: list[tuple[str, bool]] = field(default_factory=list)  # (line, whether it fails the session)
+    workers: set[int] = field(default_factory=set)  # pytest-xdist: this session's workers' pids (their users are ours)
+    failed_in_worker: bool = False
 
 
 _guard = _Guard()
@@ -238,11 +240,33 @@ def unix_user_name(letter: str) -> str:
 
 def _another_sessions_user(name: str) -> bool:
     match = TEST_USER.match(name)
-    return match is not None and int(match.group(1)) != os.getpid() % 100000
+    mine = {os.getpid() % 100000} | {pid % 100000 for pid in _guard.workers}
+    return match is not None and int(match.group(1)) not in mine
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: object, error: object) -> None:
+    """pytest-xdist, in the controller: a worker's own check (its users are its pid's) joins this session's report,
+    and the worker's users count as this session's in the final check (by then every worker has finished)."""
+    out = getattr(node, "workeroutput", None) or {}
+    if isinstance(out.get("host_guard_pid"), int):
+        _guard.workers.add(out["host_guard_pid"])
+    for line, bad in out.get("host_guard", ()):
+        if bad:
+            _guard.report.append((f"[{getattr(getattr(node, 'gateway', None), 'id', 'worker')}] {line}", True))
+            _guard.failed_in_worker = True
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
     """Fail the session when the host's admin paths or user files differ from the start."""
+    if hasattr(session.config, "workeroutput"):  # an xdist worker: the controller reports and fails the session
+        ours, _ = _changes()
+        session.config.workeroutput["host_guard_pid"] = os.getpid()
+        session.config.workeroutput["host_guard"] = [("host check FAILED: the suite changed the host's admin paths or "
+                                                      "users: " + " | ".join(ours), True)] if ours else []
+        return
+    if _guard.failed_in_worker:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
     ours, theirs = _changes()
     hidden = f" (hidden from the tests in a private mount namespace: {', '.join(map(str, _guard.views))})"
     if theirs:
