@@ -13,6 +13,7 @@ import io
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import tarfile
@@ -22,8 +23,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from launcher.engine.client import connect_client
-from launcher.engine.images import commit_layer, find_image, inspect_image, remove_untagged
+from launcher.engine.images import (commit_layer, find_image, inspect_image, labelled_containers, remove_container,
+                                    remove_untagged)
 from launcher.errors import MissingDependency
+from launcher.procs import proc_info
 from launcher.image import (EXTRAS_BASE_LABEL, EXTRAS_LABEL, EXTRAS_PACKAGES_LABEL, BuildResult, extras_hash,
                             extras_tag, find_context)
 from launcher.image_cancel import stoppable
@@ -42,6 +45,41 @@ INSTALL = ["sh", "-c", f"/opt/venv/bin/pip install --no-index --find-links /tmp/
            f"-r /tmp/{STAGE}/requirements.txt; status=$?; rm -rf /tmp/{STAGE}; exit $status"]
 INSTALL_TIMEOUT_S = 1800
 _SAVED = re.compile(r"^\s*(?:Saved|File was already downloaded)\s+(\S+\.whl)\s*$")
+# The build container's name says which launcher made it, on which host (the engine may be shared or remote):
+# launcher-extras-<hash>-<host>-<pid>-<start ticks>. Its labels cannot: the engine copies a container's labels
+# into the image committed from it.
+_BUILD_NAME = re.compile(r"^launcher-extras-[0-9a-f]{12}-(?P<host>[a-zA-Z0-9_.-]+)-(?P<pid>\d+)-(?P<start>\d+)$")
+
+
+def _host() -> str:
+    return re.sub(r"[^a-zA-Z0-9_.-]", "-", socket.gethostname()) or "host"
+
+
+def build_container_name(digest: str) -> str:
+    """The name of this process's build container for the derived image ``digest``."""
+    info = proc_info(os.getpid())
+    return f"launcher-extras-{digest}-{_host()}-{os.getpid()}-{info.start_ticks if info else 0}"
+
+
+def abandoned_build(name: str) -> bool:
+    """Whether ``name`` is a build container whose launcher, on this host, is gone (SIGKILL, a crash, a power
+    cut): its own ``finally`` removes it otherwise. Another host's, or one whose launcher runs, is not."""
+    m = _BUILD_NAME.match(name)
+    if m is None or m["host"] != _host():
+        return False
+    info = proc_info(int(m["pid"]))
+    return info is None or info.start_ticks != int(m["start"])
+
+
+def remove_abandoned_builds(client: "DockerClient", progress: Progress) -> list[str]:
+    """Remove the build containers that launchers killed on this host left on the engine; their names."""
+    gone = []
+    for container_id, name in labelled_containers(EXTRAS_LABEL, client):
+        if abandoned_build(name):
+            remove_container(container_id, client)
+            progress(f"removed build container {name}: the launcher that made it is gone")
+            gone.append(name)
+    return gone
 
 
 def download_extras(extras: tuple["Extra", ...], dest: Path, report: BuildReporter | Progress, *,
@@ -119,6 +157,7 @@ def build_extras_image(base: str, extras: tuple["Extra", ...], *, client: "Docke
         progress(f"image {tag} (with {' '.join(e.spec for e in extras)}) is on the engine already")
         return BuildResult(tag, str(old["Id"]), int(old.get("Size", 0)), 0.0)
     report = BuildReporter(tag, progress, on_build)
+    remove_abandoned_builds(client, progress)
     with stoppable(report, client):
         report.enter("wheels")
         files = download_extras(extras, root / EXTRAS_CACHE, report, find_links=(root / "docker" / "wheels" / "cpu",))
@@ -138,7 +177,8 @@ def build_extras_image(base: str, extras: tuple["Extra", ...], *, client: "Docke
                       EXTRAS_BASE_LABEL: base}
             status, output, image_id = commit_layer(
                 client, base, fileobj, command=INSTALL, tag=tag, labels=labels,
-                comment=f"launcher build --with {' '.join(e.key for e in extras)}", timeout_s=INSTALL_TIMEOUT_S)
+                comment=f"launcher build --with {' '.join(e.key for e in extras)}", timeout_s=INSTALL_TIMEOUT_S,
+                name=build_container_name(digest))
         lines = [line.rstrip() for line in output.splitlines() if line.strip()]
         for line in lines:
             report.output(line)

@@ -119,7 +119,8 @@ def build_events(client: "DockerClient", context: IO[bytes], *, tag: str, builda
 
 
 def commit_layer(client: "DockerClient", base: str, archive: IO[bytes], *, command: list[str], tag: str,
-                 labels: Mapping[str, str], comment: str, timeout_s: float) -> tuple[int, str, str | None]:
+                 labels: Mapping[str, str], comment: str, timeout_s: float,
+                 name: str | None = None) -> tuple[int, str, str | None]:
     """One layer on top of ``base``, from a throw-away container: ``archive`` (a tar) unpacked at ``/tmp``,
     ``command`` run there as root with no network and no capabilities, and what it changed committed as ``tag``
     with ``base``'s own configuration (user, entrypoint, command, environment) plus ``labels`` (like ``docker
@@ -133,12 +134,12 @@ def commit_layer(client: "DockerClient", base: str, archive: IO[bytes], *, comma
     found by them. It is removed whatever happens, a signal's exception included.
 
     Returns (exit status, its output, the new image's id; None when the command failed or ran past
-    ``timeout_s``, and then nothing is committed).
+    ``timeout_s``, and then nothing is committed). ``name`` names the container (a killed caller's is found by it).
     """
     config = dict(engine_call(f"inspect image {base}", lambda: client.api.inspect_image(base))["Config"] or {})
     config["Labels"] = {**(config.get("Labels") or {}), **labels}
     container = engine_call(f"create a build container of {base}", lambda: client.containers.create(
-        base, entrypoint=command[:1], command=command[1:], user="0", network_disabled=True,
+        base, entrypoint=command[:1], command=command[1:], user="0", network_disabled=True, name=name,
         labels=dict(labels), cap_drop=["ALL"], security_opt=["no-new-privileges"]))
     try:
         engine_call(f"copy the build's files into {container.short_id}", lambda: container.put_archive("/tmp", archive))
@@ -159,6 +160,19 @@ def commit_layer(client: "DockerClient", base: str, archive: IO[bytes], *, comma
     finally:
         engine_call(f"remove build container {container.short_id}",
                     lambda: client.api.remove_container(container.id, force=True), gone=None)
+
+
+def labelled_containers(label: str, client: "DockerClient") -> list[tuple[str, str]]:
+    """(id, name) of every container, running or not, carrying ``label`` (like ``docker ps -a --filter label=L``)."""
+    found = engine_call(f"list containers labelled {label}",
+                        lambda: client.api.containers(all=True, filters={"label": label}))
+    return [(str(c["Id"]), str((c.get("Names") or ["/"])[0]).lstrip("/")) for c in found]
+
+
+def remove_container(container_id: str, client: "DockerClient") -> None:
+    """``docker rm -f``; gone already is fine."""
+    engine_call(f"remove container {container_id[:12]}",
+                lambda: client.api.remove_container(container_id, force=True), gone=None)
 
 
 def labelled_image(label: str, value: str, client: "DockerClient") -> dict[str, Any] | None:

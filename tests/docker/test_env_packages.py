@@ -10,6 +10,7 @@ the derived image is removed at the end of the module.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -20,13 +21,31 @@ import pytest
 
 from launcher.engine import labels as dc
 from launcher.engine.client import Engine
+from launcher.engine.images import remove_container
 from launcher.image import EXTRAS_BASE_LABEL, EXTRAS_LABEL, EXTRAS_PACKAGES_LABEL
+from launcher.image_extras import _host, remove_abandoned_builds
+from launcher.procs import proc_info
 from tests.docker_fixtures import ours
 from tests.helpers import ROOT, child_env, launcher_cmd
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 pytestmark = pytest.mark.docker
 DANGLING_BEFORE: set[str] = set()  # untagged images before the derived build (other builds leave some)
+BUILD_LOG: list[str] = []  # the derived build's stderr
+ABANDONED = "launcher-extras-0123456789ab-{host}-{pid}-{start}"  # a build container's name (launcher.image_extras)
+
+
+def _gone_pid() -> int:
+    """A pid no process has now: a child's that was waited for."""
+    child = subprocess.Popen(["true"])
+    child.wait()
+    return child.pid
+
+
+def _pause_container(docker_client: Any, image: str, name: str) -> str:
+    """A container named like a build container and labelled like one (the digest is made up); its id."""
+    return str(docker_client.api.create_container(image, ["/pause"], name=name,
+                                                labels={EXTRAS_LABEL: "0123456789ab"})["Id"])
 
 
 @pytest.fixture(scope="module")
@@ -39,13 +58,19 @@ def envpkg_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def extras_image(launcher_image: str, envpkg_wheel: Path, docker_client: Any) -> Iterator[str]:
-    """``launcher build --offline --with WHEEL``: the tag it prints; the image is removed afterwards."""
+def extras_image(launcher_image: str, envpkg_wheel: Path, docker_client: Any, pause_image: str) -> Iterator[str]:
+    """``launcher build --offline --with WHEEL``: the tag it prints; the image is removed afterwards. Before it, a
+    build container that a SIGKILLed launcher on this host left (its pid gone), which the build removes."""
     global DANGLING_BEFORE
     DANGLING_BEFORE = set(docker_client.api.images(filters={"dangling": True}, quiet=True))
-    done = subprocess.run(launcher_cmd("build", "--offline", "--with", str(envpkg_wheel)), cwd=ROOT, env=child_env(),
-                          capture_output=True, text=True, timeout=900)
+    left = _pause_container(docker_client, pause_image, ABANDONED.format(host=_host(), pid=_gone_pid(), start=1))
+    try:
+        done = subprocess.run(launcher_cmd("build", "--offline", "--with", str(envpkg_wheel)), cwd=ROOT,
+                              env=child_env(), capture_output=True, text=True, timeout=900)
+    finally:
+        remove_container(left, docker_client)
     assert done.returncode == 0, done.stderr[-4000:]
+    BUILD_LOG.append(done.stderr)
     tag = done.stdout.strip()
     try:
         yield tag
@@ -73,6 +98,9 @@ def test_build_with_a_wheel_makes_a_small_derived_image(extras_image: str, launc
     # Nothing of the build is left but the tagged image: no untagged image, no build container.
     assert set(docker_client.api.images(filters={"dangling": True}, quiet=True)) - DANGLING_BEFORE == set()
     assert docker_client.api.containers(all=True, filters={"label": f"{EXTRAS_LABEL}={labels[EXTRAS_LABEL]}"}) == []
+    # The build container a killed launcher left before this build: removed by it, and said so.
+    assert "removed build container launcher-extras-0123456789ab-" in BUILD_LOG[0], BUILD_LOG[0][-2000:]
+    assert docker_client.api.containers(all=True, filters={"label": f"{EXTRAS_LABEL}=0123456789ab"}) == []
     assert {k: v for k, v in labels.items() if k not in base["Config"]["Labels"]} == {
         EXTRAS_LABEL: labels[EXTRAS_LABEL], EXTRAS_PACKAGES_LABEL: labels[EXTRAS_PACKAGES_LABEL],
         EXTRAS_BASE_LABEL: launcher_image}  # the build's own labels and nothing else
@@ -86,6 +114,33 @@ def test_build_with_a_wheel_makes_a_small_derived_image(extras_image: str, launc
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0 and done.stdout.strip() == extras_image, done.stderr[-2000:]
     assert "is on the engine already" in done.stderr
+
+
+def test_only_build_containers_whose_launcher_is_gone_are_removed(docker_client: Any, pause_image: str) -> None:
+    """A build container's name says which launcher on which host made it: one on this host whose pid is gone, or
+    whose pid now names another process (another start time), is removed; a live launcher's, another host's and a
+    container not named like a build's stay."""
+    me = proc_info(os.getpid())
+    assert me is not None
+    names = {
+        "dead": ABANDONED.format(host=_host(), pid=_gone_pid(), start=me.start_ticks),
+        "reused": ABANDONED.format(host=_host(), pid=os.getpid(), start=me.start_ticks + 1),
+        "live": ABANDONED.format(host=_host(), pid=os.getpid(), start=me.start_ticks),
+        "elsewhere": ABANDONED.format(host="another-host", pid=_gone_pid(), start=1),
+        "unnamed": f"launcher-test-extras-{os.getpid()}",
+    }
+    ids = {key: _pause_container(docker_client, pause_image, name) for key, name in names.items()}
+    try:
+        said: list[str] = []
+        gone = remove_abandoned_builds(docker_client, said.append)
+        assert sorted(gone) == sorted([names["dead"], names["reused"]])
+        assert said == [f"removed build container {n}: the launcher that made it is gone" for n in gone]
+        left = {c["Id"] for c in docker_client.api.containers(all=True, filters={"label": EXTRAS_LABEL})}
+        assert {k for k, i in ids.items() if i in left} == {"live", "elsewhere", "unnamed"}
+        assert remove_abandoned_builds(docker_client, said.append) == []  # nothing more the second time
+    finally:
+        for container_id in ids.values():
+            remove_container(container_id, docker_client)
 
 
 def _up(root: Path, image: str, *args: str) -> subprocess.CompletedProcess[str]:
