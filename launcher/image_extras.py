@@ -51,21 +51,22 @@ _SAVED = re.compile(r"^\s*(?:Saved|File was already downloaded)\s+(\S+\.whl)\s*$
 _BUILD_NAME = re.compile(r"^launcher-extras-[0-9a-f]{12}-(?P<host>[a-zA-Z0-9_.-]+)-(?P<pid>\d+)-(?P<start>\d+)$")
 
 
-def _host() -> str:
+def this_host() -> str:
+    """This host's name as it goes into a build container's name (characters a name cannot hold as -)."""
     return re.sub(r"[^a-zA-Z0-9_.-]", "-", socket.gethostname()) or "host"
 
 
 def build_container_name(digest: str) -> str:
     """The name of this process's build container for the derived image ``digest``."""
     info = proc_info(os.getpid())
-    return f"launcher-extras-{digest}-{_host()}-{os.getpid()}-{info.start_ticks if info else 0}"
+    return f"launcher-extras-{digest}-{this_host()}-{os.getpid()}-{info.start_ticks if info else 0}"
 
 
 def abandoned_build(name: str) -> bool:
     """Whether ``name`` is a build container whose launcher, on this host, is gone (SIGKILL, a crash, a power
     cut): its own ``finally`` removes it otherwise. Another host's, or one whose launcher runs, is not."""
     m = _BUILD_NAME.match(name)
-    if m is None or m["host"] != _host():
+    if m is None or m["host"] != this_host():
         return False
     info = proc_info(int(m["pid"]))
     return info is None or info.start_ticks != int(m["start"])

@@ -158,8 +158,7 @@ def commit_layer(client: "DockerClient", base: str, archive: IO[bytes], *, comma
                                                                      message=comment, conf=config))
         return status, output, str(image.id)
     finally:
-        engine_call(f"remove build container {container.short_id}",
-                    lambda: client.api.remove_container(container.id, force=True), gone=None)
+        remove_container(str(container.id), client)
 
 
 def labelled_containers(label: str, client: "DockerClient") -> list[tuple[str, str]]:

@@ -23,7 +23,7 @@ from launcher.engine import labels as dc
 from launcher.engine.client import Engine
 from launcher.engine.images import remove_container
 from launcher.image import EXTRAS_BASE_LABEL, EXTRAS_LABEL, EXTRAS_PACKAGES_LABEL
-from launcher.image_extras import _host, remove_abandoned_builds
+from launcher.image_extras import remove_abandoned_builds, this_host
 from launcher.procs import proc_info
 from tests.docker_fixtures import ours
 from tests.helpers import ROOT, child_env, launcher_cmd
@@ -63,7 +63,7 @@ def extras_image(launcher_image: str, envpkg_wheel: Path, docker_client: Any, pa
     build container that a SIGKILLed launcher on this host left (its pid gone), which the build removes."""
     global DANGLING_BEFORE
     DANGLING_BEFORE = set(docker_client.api.images(filters={"dangling": True}, quiet=True))
-    left = _pause_container(docker_client, pause_image, ABANDONED.format(host=_host(), pid=_gone_pid(), start=1))
+    left = _pause_container(docker_client, pause_image, ABANDONED.format(host=this_host(), pid=_gone_pid(), start=1))
     try:
         done = subprocess.run(launcher_cmd("build", "--offline", "--with", str(envpkg_wheel)), cwd=ROOT,
                               env=child_env(), capture_output=True, text=True, timeout=900)
@@ -123,9 +123,9 @@ def test_only_build_containers_whose_launcher_is_gone_are_removed(docker_client:
     me = proc_info(os.getpid())
     assert me is not None
     names = {
-        "dead": ABANDONED.format(host=_host(), pid=_gone_pid(), start=me.start_ticks),
-        "reused": ABANDONED.format(host=_host(), pid=os.getpid(), start=me.start_ticks + 1),
-        "live": ABANDONED.format(host=_host(), pid=os.getpid(), start=me.start_ticks),
+        "dead": ABANDONED.format(host=this_host(), pid=_gone_pid(), start=me.start_ticks),
+        "reused": ABANDONED.format(host=this_host(), pid=os.getpid(), start=me.start_ticks + 1),
+        "live": ABANDONED.format(host=this_host(), pid=os.getpid(), start=me.start_ticks),
         "elsewhere": ABANDONED.format(host="another-host", pid=_gone_pid(), start=1),
         "unnamed": f"launcher-test-extras-{os.getpid()}",
     }
