@@ -16,7 +16,7 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -281,27 +281,28 @@ def log_files(rd: RunDir) -> dict[str, Path]:
 
 def read_logs(root: Path, run: str, part: str | None) -> Iterator[tuple[str, bytes]]:
     """(part name, output) of ``part`` (None: every part), from the backend while the run's parts exist, else
-    from the files kept in ``<results>/<run>/logs/``.
+    from the files kept in ``<results>/<run>/logs/``: a part that ended while the run goes on (a Slurm step that
+    finished, so Slurm no longer lists it, while the master writes its model) is read from its kept file.
 
     Raises:
         BadInput: no such run, or no such part.
     """
     with opened(root, run) as found:
         names = [p.name for p in found.parts()]
-        if names:
-            _check_part(part, names, found.run_id)
+        if names and (part is None or part in names):
             live = {n: found.logs(n) for n in ([part] if part else names)}
             if all(data is not None for data in live.values()):
                 yield from ((n, data or b"") for n, data in live.items())
                 return
         if found.run_dir is None:
+            _check_part(part, names, found.run_id)
             raise BadInput(f"run {run} has neither containers nor a results directory here")
         files = log_files(found.run_dir)
-        _check_part(part, list(files), found.run_id)
+        _check_part(part, known_parts(names, files), found.run_id)
         for name in ([part] if part else list(files)):
             try:
                 yield name, safefs.read_tail(found.run_dir.path, f"{LOGS_DIR}/{files[name].name}")
-            except FileNotFoundError:
+            except (FileNotFoundError, KeyError):  # a live part whose log is not kept (yet)
                 yield name, b""
 
 
@@ -310,16 +311,16 @@ def follow_logs(root: Path, run: str, part: str | None, *, poll_s: float = 0.5) 
     part = part or "master"
     with opened(root, run) as found:
         names = [p.name for p in found.parts()]
-        if names:
-            _check_part(part, names, found.run_id)
+        if part in names:
             stream = found.follow(part, poll_s=poll_s)
             if stream is not None:
                 yield from stream
                 return
         if found.run_dir is None:
+            _check_part(part, names, found.run_id)
             raise BadInput(f"run {run} has neither containers nor a results directory here")
         files = log_files(found.run_dir)
-        _check_part(part, list(files), found.run_id)
+        _check_part(part, list(files), found.run_id)  # followed from its file: it must have one
         with safefs.open_read(found.run_dir.path, f"{LOGS_DIR}/{files[part].name}") as fh:
             while True:
                 chunk = fh.read(1 << 20)
@@ -329,6 +330,11 @@ def follow_logs(root: Path, run: str, part: str | None, *, poll_s: float = 0.5) 
                 if not any(p.state.alive for p in found.parts()):
                     return
                 time.sleep(poll_s)
+
+
+def known_parts(live: list[str], files: Mapping[str, Path]) -> list[str]:
+    """The parts of a run one can ask for: those the backend lists and those whose log is kept, in part order."""
+    return sorted(set(live) | set(files), key=name_order)
 
 
 def _check_part(part: str | None, known: list[str], run_id: str) -> None:

@@ -129,6 +129,24 @@ def test_logs_from_the_kept_files(tmp_path: Path, capsysbinary: pytest.CaptureFi
     assert capsysbinary.readouterr().out == b"master line\n"
 
 
+def test_a_part_that_ended_while_the_run_goes_on_is_read_from_its_kept_log(
+        tmp_path: Path, sleepers: list[subprocess.Popen[bytes]], capsysbinary: pytest.CaptureFixture[bytes]) -> None:
+    """The backend lists only the master (as Slurm does once a group's step has finished while the master still
+    writes its model); the group's kept log is still there to read and follow."""
+    rid = "cartpole-ppo-ended-0006"
+    pid = sleeper(sleepers, rid)
+    rd = make_run(tmp_path, rid, backend="process", state="running", pids={"master": pid})
+    (rd.files.logs / "master.log").write_bytes(b"master line\n")
+    (rd.files.logs / "group-1.log").write_bytes(b"group one\n")
+    (found,) = [p.name for p in backends.find(rid, rd, rd.read_record()).parts()]
+    assert found == "master"  # what the backend lists: the master alone
+    assert main(["logs", rid, "--results", str(tmp_path), "--group", "1"]) == 0
+    assert capsysbinary.readouterr().out == b"group one\n"
+    assert next(lifecycle.follow_logs(tmp_path, rid, "group-1", poll_s=0.05)) == b"group one\n"
+    assert main(["logs", rid, "--results", str(tmp_path), "--group", "7"]) == 2
+    assert b"has no group-7 (it has: master, group-1)" in capsysbinary.readouterr().err
+
+
 def test_follow_stops_when_the_run_stops(tmp_path: Path, sleepers: list[subprocess.Popen[bytes]]) -> None:
     rid = "cartpole-ppo-follow-0005"
     pid = sleeper(sleepers, rid)
