@@ -22,9 +22,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from launcher.engine.client import connect_client
-from launcher.engine.images import (commit_layer, find_image, inspect_image, labelled_containers, remove_container,
-                                    remove_untagged)
+from launcher.engine.client import connect_client, remove_container
+from launcher.engine.images import commit_layer, find_image, inspect_image, labelled_containers, remove_untagged
 from launcher.errors import MissingDependency
 from launcher.procs import proc_info
 from launcher.image import (EXTRAS_BASE_LABEL, EXTRAS_LABEL, EXTRAS_PACKAGES_LABEL, BuildResult, extras_hash,

@@ -102,6 +102,18 @@ def labelled_containers(labels: Mapping[str, str | None] | None = None, *, runni
 INTERNAL_BRIDGE_OPTIONS: Mapping[str, str] = {"com.docker.network.bridge.inhibit_ipv4": "true"}
 
 
+def remove_container(container_id: str, client: "DockerClient") -> bool:
+    """Remove a container, killing it if it still runs (like ``docker rm -f``); False if already gone (for
+    :class:`Engine` and the image builds, which hold a bare client)."""
+    try:
+        return bool(engine_call(f"remove container {container_id[:12]}", lambda: client.api.remove_container(
+            container_id, force=True) or True, gone=False))
+    except LauncherError as exc:
+        if "already in progress" in exc.message:
+            return True
+        raise
+
+
 class Engine:
     """A connected Docker engine (``docker.from_env()``), with the calls the backends need.
 
@@ -217,13 +229,7 @@ class Engine:
 
     def remove(self, container_id: str) -> bool:
         """Remove a container, killing it if it still runs (like ``docker rm -f``); False if already gone."""
-        try:
-            return bool(engine_call(f"remove container {container_id[:12]}", lambda: self.client.api.remove_container(
-                container_id, force=True) or True, gone=False))
-        except LauncherError as exc:
-            if "already in progress" in exc.message:
-                return True
-            raise
+        return remove_container(container_id, self.client)
 
     def wait_stopped(self, container_id: str, timeout_s: float) -> bool:
         """Block until the container is not running (like ``docker wait --condition not-running``), for at most

@@ -14,7 +14,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
-from launcher.engine.client import connect_client
+from launcher.engine.client import connect_client, remove_container
 from launcher.engine.errors import engine_call
 from launcher.errors import LauncherError
 
@@ -166,12 +166,6 @@ def labelled_containers(label: str, client: "DockerClient") -> list[tuple[str, s
     found = engine_call(f"list containers labelled {label}",
                         lambda: client.api.containers(all=True, filters={"label": label}))
     return [(str(c["Id"]), str((c.get("Names") or ["/"])[0]).lstrip("/")) for c in found]
-
-
-def remove_container(container_id: str, client: "DockerClient") -> None:
-    """``docker rm -f``; gone already is fine."""
-    engine_call(f"remove container {container_id[:12]}",
-                lambda: client.api.remove_container(container_id, force=True), gone=None)
 
 
 def labelled_image(label: str, value: str, client: "DockerClient") -> dict[str, Any] | None:

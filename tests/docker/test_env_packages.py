@@ -20,8 +20,7 @@ from typing import Any
 import pytest
 
 from launcher.engine import labels as dc
-from launcher.engine.client import Engine
-from launcher.engine.images import remove_container
+from launcher.engine.client import Engine, remove_container
 from launcher.image import EXTRAS_BASE_LABEL, EXTRAS_LABEL, EXTRAS_PACKAGES_LABEL
 from launcher.image_extras import remove_abandoned_builds, this_host
 from launcher.procs import proc_info
