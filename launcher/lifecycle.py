@@ -295,14 +295,18 @@ def read_logs(root: Path, run: str, part: str | None) -> Iterator[tuple[str, byt
                 yield from ((n, data or b"") for n, data in live.items())
                 return
         if found.run_dir is None:
-            _check_part(part, names, found.run_id)
+            if names:
+                _check_part(part, names, found.run_id)
             raise BadInput(f"run {run} has neither containers nor a results directory here")
         files = log_files(found.run_dir)
         _check_part(part, known_parts(names, files), found.run_id)
         for name in ([part] if part else list(files)):
+            if name not in files:  # a live part whose log is not kept (yet)
+                yield name, b""
+                continue
             try:
                 yield name, safefs.read_tail(found.run_dir.path, f"{LOGS_DIR}/{files[name].name}")
-            except (FileNotFoundError, KeyError):  # a live part whose log is not kept (yet)
+            except FileNotFoundError:
                 yield name, b""
 
 
@@ -317,7 +321,8 @@ def follow_logs(root: Path, run: str, part: str | None, *, poll_s: float = 0.5) 
                 yield from stream
                 return
         if found.run_dir is None:
-            _check_part(part, names, found.run_id)
+            if names:
+                _check_part(part, names, found.run_id)
             raise BadInput(f"run {run} has neither containers nor a results directory here")
         files = log_files(found.run_dir)
         _check_part(part, list(files), found.run_id)  # followed from its file: it must have one
